@@ -1,0 +1,22 @@
+"""keras_boost: MindSpore-style boost features for Keras 3 on TensorFlow, distributed with Horovod."""
+
+from keras_boost import callbacks, distributed
+from keras_boost.accumulation import GradientAccumulation
+from keras_boost.loss_scale import DynamicLossScale, FixedLossScale
+from keras_boost.model import BoostModel
+from keras_boost.state import BoostState
+from keras_boost.step import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BoostModel",
+    "BoostState",
+    "BoostTrainOneStep",
+    "BoostTrainOneStepWithLossScale",
+    "DynamicLossScale",
+    "FixedLossScale",
+    "GradientAccumulation",
+    "callbacks",
+    "distributed",
+]

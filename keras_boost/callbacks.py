@@ -1,0 +1,207 @@
+"""Keras 3 callbacks for Horovod training (horovod.keras' callbacks are broken under Keras 3)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_boost import distributed
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Sets every model and optimizer variable to rank `root_rank`'s value when training starts.
+
+    `BoostModel.fit` adds it by itself under a launcher; add it yourself for a plain
+    `keras.Model` trained with your own Horovod step.
+
+    Args:
+        root_rank: the rank whose values everyone takes, default 0.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[keras_boost.callbacks.BroadcastGlobalVariablesCallback(0)])
+    """
+
+    def __init__(self, root_rank=0):
+        super().__init__()
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+            raise ValueError(f"root_rank must be a non-negative integer, got {root_rank!r}")
+        self.root_rank = root_rank
+
+    def on_train_begin(self, logs=None):
+        if distributed.size() > 1:
+            if self.root_rank >= distributed.size():
+                raise ValueError(f"root_rank {self.root_rank} is not a rank of this {distributed.size()}-worker run")
+            variables = list(self.model.variables)
+            if self.model.optimizer is not None:
+                variables += list(self.model.optimizer.variables)
+            distributed.broadcast_variables(variables, self.root_rank)
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Averages the epoch logs across workers, so every rank sees the same numbers.
+
+    `BoostModel` already averages its metrics; this callback is for a plain `keras.Model`
+    and for values other callbacks add to the logs. Put it before the callbacks that read
+    the logs (checkpoints, early stopping, TensorBoard).
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs and distributed.size() > 1:
+            names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+            values = [tf.constant(float(logs[n]), tf.float32) for n in names]
+            for name, value in zip(names, distributed.grouped_allreduce(values, average=True)):
+                logs[name] = float(value.numpy())
+
+
+@keras.saving.register_keras_serializable(package="keras_boost")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """`schedule(step)` multiplied by a factor that rises linearly from `start_factor` to 1."""
+
+    def __init__(self, schedule, warmup_steps, start_factor):
+        self.schedule = schedule
+        self.warmup_steps = int(warmup_steps)
+        self.start_factor = float(start_factor)
+
+    def __call__(self, step):
+        progress = tf.minimum(tf.cast(step, tf.float32) / float(max(self.warmup_steps, 1)), 1.0)
+        return self.schedule(step) * (self.start_factor + (1.0 - self.start_factor) * progress)
+
+    def get_config(self):
+        return {
+            "schedule": keras.optimizers.schedules.serialize(self.schedule),
+            "warmup_steps": self.warmup_steps,
+            "start_factor": self.start_factor,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["schedule"] = keras.optimizers.schedules.deserialize(config["schedule"])
+        return cls(**config)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Linear learning-rate warm-up over the first epochs (Goyal et al., 2017).
+
+    The rate rises linearly from `initial_lr * start_factor` to `initial_lr` over
+    `warmup_epochs` epochs, counted in optimizer updates (so gradient accumulation is
+    respected). `start_factor` defaults to `1 / number of workers`, i.e. the warm-up from
+    the single-worker rate to the scaled rate `initial_lr` that Horovod recommends.
+
+    With a float learning rate the optimizer's rate variable is set before every batch.
+    With a `LearningRateSchedule` the schedule is wrapped for the duration of `fit`: the
+    schedule's own value at each step is multiplied by the warm-up factor (its step count
+    is not shifted), and the original schedule is put back when training ends.
+
+    Args:
+        initial_lr: the rate reached at the end of the warm-up; default: the optimizer's
+            rate when training starts (ignored for a schedule).
+        warmup_epochs: epochs of warm-up, > 0, default 5.
+        start_factor: the starting fraction of `initial_lr`, in (0, 1]; default 1 / size.
+        steps_per_epoch: updates per epoch; default: what `fit` reports.
+        verbose: print the rate at the end of the warm-up on rank 0.
+    """
+
+    def __init__(self, initial_lr=None, warmup_epochs=5, start_factor=None, steps_per_epoch=None, verbose=0):
+        super().__init__()
+        if initial_lr is not None and (isinstance(initial_lr, bool) or not isinstance(initial_lr, (int, float))
+                                       or initial_lr <= 0):
+            raise ValueError(f"initial_lr must be a positive number or None, got {initial_lr!r}")
+        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, (int, float)) or warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs must be a positive number, got {warmup_epochs!r}")
+        if start_factor is not None and (isinstance(start_factor, bool) or not isinstance(start_factor, (int, float))
+                                         or not 0 < start_factor <= 1):
+            raise ValueError(f"start_factor must be in (0, 1] or None, got {start_factor!r}")
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be a positive integer or None, got {steps_per_epoch!r}")
+        self.initial_lr = initial_lr
+        self.warmup_epochs = warmup_epochs
+        self.start_factor = start_factor
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._original_schedule = None
+
+    def _warmup_steps(self):
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError("LearningRateWarmupCallback needs steps_per_epoch when fit cannot tell the epoch length")
+        return int(round(self.warmup_epochs * steps))
+
+    def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        self._factor0 = self.start_factor if self.start_factor is not None else 1.0 / distributed.size()
+        self._steps = self._warmup_steps()
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            self._original_schedule = optimizer._learning_rate
+            optimizer.learning_rate = WarmupSchedule(self._original_schedule, self._steps, self._factor0)
+        elif self.initial_lr is None:
+            self.initial_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+    def factor(self, step):
+        progress = min(step / max(self._steps, 1), 1.0)
+        return self._factor0 + (1.0 - self._factor0) * progress
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._original_schedule is None:
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            if step <= self._steps:
+                self.model.optimizer.learning_rate = self.initial_lr * self.factor(step)
+                if step == self._steps and self.verbose and distributed.rank() == 0:
+                    print(f"\nLearningRateWarmupCallback: warm-up done, learning rate {self.initial_lr:g}")
+
+    def on_train_end(self, logs=None):
+        if self._original_schedule is not None:
+            self.model.optimizer.learning_rate = self._original_schedule
+            self._original_schedule = None
+
+
+def rank_zero_only(callback):
+    """Returns `callback` on rank 0 and a do-nothing callback elsewhere.
+
+    For side-effecting callbacks (checkpoints, CSV logs, TensorBoard) that must run once
+    per job, not once per worker.
+
+    Example:
+        >>> ckpt = keras_boost.callbacks.rank_zero_only(keras.callbacks.ModelCheckpoint("m.keras"))
+    """
+    if not isinstance(callback, keras.callbacks.Callback):
+        raise TypeError(f"callback must be a keras.callbacks.Callback, got {type(callback).__name__}")
+    return callback if distributed.rank() == 0 else keras.callbacks.Callback()
+
+
+class BoostScalarsCallback(keras.callbacks.Callback):
+    """Writes the boost scalars (loss scale, overflow, freeze group, collective count) to TensorBoard.
+
+    Scalars are written every `update_freq` batches by rank 0 into `log_dir/boost`.
+
+    Args:
+        log_dir: TensorBoard log directory.
+        update_freq: batches between two writes, default 1.
+    """
+
+    def __init__(self, log_dir, update_freq=1):
+        super().__init__()
+        if not isinstance(update_freq, int) or isinstance(update_freq, bool) or update_freq < 1:
+            raise ValueError(f"update_freq must be a positive integer, got {update_freq!r}")
+        self.log_dir = str(log_dir)
+        self.update_freq = update_freq
+        self._writer = None
+        self._batches = 0
+
+    def on_train_begin(self, logs=None):
+        if distributed.rank() == 0:
+            self._writer = tf.summary.create_file_writer(f"{self.log_dir}/boost")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._writer is None or self._batches % self.update_freq:
+            return
+        step = self._batches
+        scalars = dict(self.model.boost_step.logs()) if getattr(self.model, "boost_step", None) else {}
+        scalars["collectives"] = distributed.allreduce_count()
+        with self._writer.as_default(step=step):
+            for name, value in scalars.items():
+                tf.summary.scalar(f"boost/{name}", float(keras.ops.convert_to_numpy(value)))
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()

@@ -1,0 +1,569 @@
+"""Gradient freezing: which variables each step trains, and in which order.
+
+MindSpore's `mindspore.boost.grad_freeze`, in Keras form. The trainable variables are cut
+into blocks (a kernel layer with the normalisation layers that follow it), and the blocks
+into `G` nested groups: group 0 is every variable, group `k` only the blocks from
+`k * stride` onward, so the shallow prefix gets no gradient and its backward pass is
+skipped. An index sequence says which group each step trains: index 0 (a full step) on a
+`freeze_p` share of the steps, a partial group on the rest.
+
+This module is the pure part: the groups, the sequence, the `FreezeOpt` container and the
+per-group plan (`freeze_cell`). The boost train step builds one compiled branch per group
+from that plan and picks the branch with the sequence. Unlike MindSpore, keras_boost keeps
+one optimizer, with one state per variable, for all groups (see `FreezeOpt`).
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+CONTINUOUS_STRATEGY = 0  # "0000…01234…": zeros, then every partial group in turn
+INTERVAL_STRATEGY = 1  # "0 k 0 0 k 0 …": full steps interleaved with sampled groups
+
+# Layers whose variables belong with the kernel layer before them (MindSpore glues
+# parameters named 'bn' to the preceding conv). RMSNormalization exists from Keras 3.9.
+_NORMALIZATION_LAYERS = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "BatchNormalization",
+        "LayerNormalization",
+        "GroupNormalization",
+        "RMSNormalization",
+    )
+    if hasattr(keras.layers, name)
+)
+
+
+def _check_int(name, value, minimum, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = "" if maximum is None else f" and <= {maximum}"
+        raise ValueError(f"`{name}` must be >= {minimum}{upper}, got {value!r}.")
+    return int(value)
+
+
+def _check_freeze_p(freeze_p):
+    real = (int, float, np.integer, np.floating)
+    if isinstance(freeze_p, bool) or not isinstance(freeze_p, real):
+        raise TypeError(
+            f"`freeze_p` must be a float in (0, 1], got {freeze_p!r} ({type(freeze_p).__name__})."
+        )
+    if not 0 < freeze_p <= 1:
+        raise ValueError(
+            f"`freeze_p` (the share of full, unfrozen steps) must be in (0, 1], got {freeze_p!r}."
+        )
+    return float(freeze_p)
+
+
+def _check_strategy(freeze_strategy, name="freeze_strategy"):
+    valid = isinstance(freeze_strategy, (int, np.integer)) and not isinstance(freeze_strategy, bool)
+    if not valid or freeze_strategy not in (CONTINUOUS_STRATEGY, INTERVAL_STRATEGY):
+        raise ValueError(
+            f"Unsupported freezing training strategy {freeze_strategy!r}: `{name}` "
+            f"must be {CONTINUOUS_STRATEGY} (continuous) or {INTERVAL_STRATEGY} (interval)."
+        )
+    return int(freeze_strategy)
+
+
+def _check_seed(seed):
+    return _check_int("seed", seed, 0, 2**32 - 1)
+
+
+def _sublayers(layer):
+    if isinstance(layer, keras.Model):
+        return layer.layers  # forward (topological) order for functional models
+    return layer._flatten_layers(include_self=False, recursive=False)
+
+
+def _walk(layer, seen):
+    """Yields `layer` and its sublayers depth-first, each shared layer once."""
+    if id(layer) in seen:
+        return
+    seen.add(id(layer))
+    yield layer
+    for sublayer in _sublayers(layer):
+        yield from _walk(sublayer, seen)
+
+
+def _layer_units(model):
+    """(layer, trainable variables it owns itself) pairs in forward order.
+
+    A variable belongs to the deepest layer that holds it; variables that only the model
+    holds (weights added on a subclassed model) come first, as in `trainable_variables`.
+    """
+    layers = list(_walk(model, set()))
+    owner = {}
+    for layer in layers:
+        for variable in layer.trainable_variables:
+            owner[id(variable)] = layer
+    units = []
+    for layer in layers:
+        own = [v for v in layer.trainable_variables if owner[id(v)] is layer]
+        if own:
+            units.append((layer, own))
+    return units
+
+
+def _blocks(model):
+    """Lists of variables: one kernel layer plus the normalisation layers that follow it."""
+    blocks, leading = [], []
+    for layer, variables in _layer_units(model):
+        if not isinstance(layer, _NORMALIZATION_LAYERS):
+            blocks.append(leading + variables)
+            leading = []
+        elif blocks:
+            blocks[-1].extend(variables)
+        else:
+            leading.extend(variables)
+    if leading:
+        blocks.append(leading)
+    return blocks
+
+
+def split_parameters_groups(model, freeze_para_groups_number):
+    """Splits a model's trainable variables into nested freeze groups.
+
+    Blocks are built in forward order: the variables of one layer that owns a kernel
+    (Conv, Dense, Embedding, ...) followed by those of the normalisation layers
+    (BatchNormalization, LayerNormalization, ...) right after it; normalisation layers
+    before the first kernel layer join the first block. With
+    `stride = len(blocks) // G`, group `i` is every block from `i * stride` onward, so
+    group 0 is all trainable variables and later groups leave a longer shallow prefix
+    frozen. When there are fewer blocks than groups (`stride == 0`), every group is all
+    trainable variables.
+
+    Args:
+        model: a built `keras.Model` (or layer) with trainable variables.
+        freeze_para_groups_number: int, the number of groups `G` (>= 1).
+
+    Returns:
+        A list of `G` lists of Keras variables.
+
+    Example:
+
+    >>> groups = split_parameters_groups(model, 10)
+    >>> len(groups[0]) == len(model.trainable_variables)
+    True
+    """
+    count = _check_int("freeze_para_groups_number", freeze_para_groups_number, 1)
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"`model` must have trainable variables to split into groups; {model.name!r} has "
+            "none (is it built?)."
+        )
+    stride = len(blocks) // count
+    return [sum(blocks[i * stride :], []) for i in range(count)]
+
+
+def _continuous_sequence(groups, freeze_p, length):
+    zeros = int(freeze_p * (groups - 1) // (1 - freeze_p) + 0.5)
+    pattern = np.concatenate([np.zeros(zeros, np.int32), np.arange(1, groups, dtype=np.int32)])
+    return np.tile(pattern, -(-length // len(pattern)))
+
+
+def _interval_freeze_steps(freeze_p, length):
+    """Boolean mask of the partial steps: keeps the running partial share just below 1-p."""
+    partial = np.zeros(length, bool)
+    full_count, partial_count = 1, 0
+    for step in range(1, length):
+        if partial_count / (full_count + partial_count) < 1 - freeze_p:
+            partial[step] = True
+            partial_count += 1
+        else:
+            full_count += 1
+    return partial
+
+
+def _interval_sequence(groups, freeze_p, length, seed):
+    partial = _interval_freeze_steps(freeze_p, length)
+    weights = np.arange(1, groups) / sum(range(1, groups))
+    sequence = np.zeros(length, np.int32)
+    # Sampling from the reversed indices gives P(k) = (G - k) / (G (G - 1) / 2).
+    sequence[partial] = np.random.RandomState(seed).choice(
+        np.arange(groups - 1, 0, -1), size=int(partial.sum()), p=weights
+    )
+    return sequence
+
+
+def generate_freeze_index_sequence(
+    parameter_groups_number, freeze_strategy, freeze_p, total_steps, seed=0
+):
+    """Generates the group index to train at each step, as MindSpore does.
+
+    Index 0 is a full step (every variable), index `k` trains group `k` only. The length
+    is `T = int(total_steps * 1.01)`; the train step wraps around at the end.
+
+    - `G <= 1` or `freeze_p == 1`: `T` zeros (MindSpore divides by zero for
+      `freeze_p == 1` with the continuous strategy; here it means "never freeze").
+    - Continuous (0): the pattern `[0] * z + [1, ..., G-1]`, with
+      `z = int(p * (G - 1) // (1 - p) + 0.5)` (a floating-point floor division: 20 for
+      p=0.7, G=10), repeated until the length is at least `T`. As in MindSpore it is not
+      truncated, so the length is a whole number of patterns and wrapping around keeps
+      the pattern intact.
+    - Interval (1): starts with 0, then a partial step whenever the running share of
+      partial steps is below `1 - p`, a full step otherwise; each partial step samples
+      `k` with probability `(G - k) / (G (G - 1) / 2)`. Length exactly `T`. Sampling uses
+      `np.random.RandomState(seed)`, so every worker builds the same sequence, and it
+      equals MindSpore's after `np.random.seed(seed)`.
+
+    Args:
+        parameter_groups_number: int, the number of groups `G` (>= 1).
+        freeze_strategy: int, 0 (continuous) or 1 (interval). Anything else raises
+            `ValueError`, even when `G <= 1`.
+        freeze_p: float in (0, 1], the share of full (unfrozen) steps. 0 is rejected: it
+            would never train the shallow blocks.
+        total_steps: int (>= 1), the planned number of training steps.
+        seed: int in [0, 2**32), the seed of the interval sampling. Defaults to 0.
+
+    Returns:
+        A 1-D `np.int32` array of group indices in `[0, G)`.
+
+    Example:
+
+    >>> generate_freeze_index_sequence(4, 0, 0.5, 10)[:8]
+    array([0, 0, 0, 1, 2, 3, 0, 0], dtype=int32)
+    """
+    groups = _check_int("parameter_groups_number", parameter_groups_number, 1)
+    strategy = _check_strategy(freeze_strategy)
+    freeze_p = _check_freeze_p(freeze_p)
+    length = int(_check_int("total_steps", total_steps, 1) * 1.01)
+    seed = _check_seed(seed)
+    if groups <= 1 or freeze_p == 1:
+        return np.zeros(length, np.int32)
+    if strategy == CONTINUOUS_STRATEGY:
+        return _continuous_sequence(groups, freeze_p, length)
+    return _interval_sequence(groups, freeze_p, length, seed)
+
+
+def frozen_share(sequence, parameter_groups_number):
+    """Estimates the share of block updates a sequence skips.
+
+    Group `k` leaves about `k / G` of the blocks frozen (exactly `k * stride` of them), so
+    the estimate is the mean of `k / G` over the steps: about 0.11 for the interval
+    strategy and 0.15 for the continuous one with G=10, p=0.7.
+
+    Args:
+        sequence: 1-D integer array of group indices, e.g. from
+            `generate_freeze_index_sequence`.
+        parameter_groups_number: int, the number of groups `G` (>= 1).
+
+    Returns:
+        A float in [0, 1).
+
+    Example:
+
+    >>> frozen_share(np.array([0, 0, 1, 3]), 4)
+    0.25
+    """
+    groups = _check_int("parameter_groups_number", parameter_groups_number, 1)
+    sequence = _strategy_array(sequence, "sequence")
+    _check_indices(sequence, groups, "sequence")
+    return float(sequence.mean() / groups) if len(sequence) else 0.0
+
+
+def _strategy_array(strategy, name):
+    """`strategy` as a 1-D np.int32 array; list/tuple of ints, integer array or tensor."""
+    if isinstance(strategy, (list, tuple)):
+        for element in strategy:
+            if isinstance(element, bool) or not isinstance(element, (int, np.integer)):
+                raise ValueError(
+                    f"Every element of `{name}` must be an int, got {element!r} "
+                    f"({type(element).__name__})."
+                )
+        return np.asarray(strategy, np.int64).astype(np.int32)
+    if tf.is_tensor(strategy) or isinstance(strategy, np.ndarray):
+        array = np.asarray(strategy)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(
+                f"`{name}` given as an array or tensor must be 1-D with an integer dtype, got "
+                f"shape {array.shape} and dtype {array.dtype}."
+            )
+        return array.astype(np.int32)
+    raise TypeError(
+        f"`{name}` must be None, a list or tuple of ints, a NumPy array or a tensor, got "
+        f"{type(strategy).__name__}."
+    )
+
+
+def _check_indices(strategy, groups, name):
+    bad = np.flatnonzero((strategy < 0) | (strategy >= groups))
+    if len(bad):
+        raise ValueError(
+            f"`{name}` holds group indices in [0, {groups}), got {int(strategy[bad[0]])} at "
+            f"position {int(bad[0])}."
+        )
+
+
+def _check_groups(groups):
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(
+            "`train_parameter_groups` must be a list or tuple of variable lists, got "
+            f"{type(groups).__name__}."
+        )
+    if not groups:
+        raise ValueError("`train_parameter_groups` must hold at least one group, got none.")
+    for index, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)):
+            raise TypeError(
+                f"Every element of `train_parameter_groups` must be a list or tuple of "
+                f"variables; element {index} is a {type(group).__name__}."
+            )
+        if not group:
+            raise ValueError(f"`train_parameter_groups` element {index} is empty.")
+        for variable in group:
+            if not isinstance(variable, keras.Variable):
+                raise TypeError(
+                    f"`train_parameter_groups` element {index} must hold Keras variables, got "
+                    f"{variable!r} ({type(variable).__name__})."
+                )
+    return [list(group) for group in groups]
+
+
+class FreezeOpt:
+    """Holds the optimizer, the freeze groups and the group sequence of freeze training.
+
+    MindSpore's `FreezeOpt` builds one sub-optimizer per group, each with its own momentum
+    buffers and step counter. keras_boost keeps the single Keras optimizer given here, so
+    every variable has one optimizer state and the learning-rate schedule counts global
+    steps whichever group a step trains. This is a container, not an optimizer.
+
+    Args:
+        opt: the `keras.optimizers.Optimizer` that applies every update.
+        train_parameter_groups: list or tuple of lists/tuples of Keras variables, one per
+            group. Defaults to `None`: a single group of all trainable variables, resolved
+            by `freeze_cell`.
+        train_strategy: the group index per step: a list or tuple of ints, or a 1-D
+            integer NumPy array or tensor, each in `[0, len(train_parameter_groups))`.
+            Defaults to `None`: round-robin over the groups. Needs
+            `train_parameter_groups`.
+
+    Attributes:
+        optimizer: the wrapped Keras optimizer.
+        groups: a list of variable lists, or `None`.
+        strategy: a 1-D `np.int32` array, or `None` (round-robin).
+
+    Example:
+
+    >>> groups = split_parameters_groups(model, 4)
+    >>> sequence = generate_freeze_index_sequence(4, 1, 0.7, 1000)
+    >>> freeze_opt = FreezeOpt(keras.optimizers.SGD(0.1), groups, sequence)
+    """
+
+    def __init__(self, opt, train_parameter_groups=None, train_strategy=None):
+        if not isinstance(opt, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"`opt` must be a keras.optimizers.Optimizer instance, got {type(opt).__name__}."
+            )
+        if train_strategy is not None and train_parameter_groups is None:
+            raise ValueError(
+                "`train_strategy` was given without `train_parameter_groups`: pass the groups "
+                "it indexes."
+            )
+        self.optimizer = opt
+        groups = train_parameter_groups
+        self.groups = None if groups is None else _check_groups(groups)
+        self.strategy = None
+        if train_strategy is not None:
+            strategy = _strategy_array(train_strategy, "train_strategy")
+            if not len(strategy):
+                raise ValueError("`train_strategy` must hold at least one group index, got none.")
+            _check_indices(strategy, len(self.groups), "train_strategy")
+            self.strategy = strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class FreezeBranch:
+    """The variables one freeze group trains.
+
+    Attributes:
+        variables: tuple of Keras variables, in group order.
+        indices: tuple of their positions in `model.trainable_variables`.
+    """
+
+    variables: tuple
+    indices: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class FreezePlan:
+    """What the boost train step needs: one branch per group and the group schedule.
+
+    Attributes:
+        branches: tuple of `FreezeBranch`, indexed by group.
+        schedule: 1-D `np.int32` array, the group of each step; step `s` trains
+            `branches[schedule[s % len(schedule)]]`.
+    """
+
+    branches: tuple
+    schedule: np.ndarray
+
+    @property
+    def period(self):
+        """Steps after which the schedule wraps around."""
+        return len(self.schedule)
+
+    def group_at(self, step):
+        """The group trained at (0-based) `step`."""
+        return int(self.schedule[step % self.period])
+
+
+def _branch(group, positions, index):
+    missing = [v.path for v in group if id(v) not in positions]
+    if missing:
+        raise ValueError(
+            f"Group {index} of `freeze_opt` holds variables that are not trainable variables "
+            f"of `model`: {missing}."
+        )
+    indices = tuple(positions[id(v)] for v in group)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"Group {index} of `freeze_opt` holds a variable more than once.")
+    return FreezeBranch(tuple(group), indices)
+
+
+def freeze_cell(model, freeze_opt):
+    """Builds the per-group plan of a freeze train step.
+
+    MindSpore's `freeze_cell(reducer_flag, network, optimizer, sens, grad,
+    use_grad_accumulation, mean, degree, max_accumulation_step)` builds one train cell per
+    sub-optimizer. Here the boost train step builds one compiled branch per group from the
+    returned plan and takes the rest from its own stages: `network` is `model`,
+    `optimizer` is `freeze_opt`; the gradient op (`grad`) is the step's tape, `sens` its
+    loss scale, `reducer_flag`/`mean`/`degree` its Horovod allreduce (of the group's
+    gradients only), `use_grad_accumulation`/`max_accumulation_step` its accumulation
+    stage. (MindSpore's freeze cell references a missing attribute when accumulation is
+    on; the boost step does not share that defect.)
+
+    Args:
+        model: the built `keras.Model` being trained.
+        freeze_opt: a `FreezeOpt`. Groups `None` mean one group of all trainable
+            variables; strategy `None` means round-robin over the groups.
+
+    Returns:
+        A `FreezePlan`.
+
+    Example:
+
+    >>> plan = freeze_cell(model, freeze_opt)
+    >>> plan.branches[plan.group_at(0)].variables
+    """
+    if not isinstance(freeze_opt, FreezeOpt):
+        raise TypeError(f"`freeze_opt` must be a FreezeOpt, got {type(freeze_opt).__name__}.")
+    trainable = model.trainable_variables
+    positions = {id(v): i for i, v in enumerate(trainable)}
+    groups = [list(trainable)] if freeze_opt.groups is None else freeze_opt.groups
+    branches = tuple(_branch(group, positions, i) for i, group in enumerate(groups))
+    schedule = freeze_opt.strategy
+    if schedule is None:
+        schedule = np.arange(len(branches), dtype=np.int32)
+    return FreezePlan(branches, schedule)
+
+
+class GradientFreeze:
+    """Gradient freezing: trains a deep suffix of the network on a share of the steps.
+
+    Splits the trainable variables into `param_groups` nested groups and generates the
+    group sequence; the boost train step then trains group `sequence[step]` at each step.
+
+    Args:
+        param_groups: int (>= 1), the number of groups `G`. Defaults to 10.
+        freeze_type: int, 0 (continuous, "00001234") or 1 (interval, "01020304").
+            Defaults to 1.
+        freeze_p: float in (0, 1], the share of FULL (unfrozen) steps despite its name.
+            Defaults to 0.7.
+        total_steps: int (>= 1), the planned number of training steps. Defaults to 65536.
+        seed: int in [0, 2**32), the seed of the interval sampling; the same on every
+            worker. Defaults to 0.
+
+    Example:
+
+    >>> freeze = GradientFreeze(param_groups=4, freeze_p=0.7, total_steps=1000)
+    >>> model, freeze_opt = freeze.freeze_generate(model, keras.optimizers.SGD(0.1))
+    """
+
+    def __init__(self, param_groups=10, freeze_type=1, freeze_p=0.7, total_steps=65536, seed=0):
+        self.param_groups = _check_int("param_groups", param_groups, 1)
+        self.freeze_type = _check_strategy(freeze_type, "freeze_type")
+        self.freeze_p = _check_freeze_p(freeze_p)
+        self.total_steps = _check_int("total_steps", total_steps, 1)
+        self.seed = _check_seed(seed)
+
+    def split_parameters_groups(self, model, freeze_para_groups_number=None):
+        """`split_parameters_groups` with `param_groups` groups unless given."""
+        if freeze_para_groups_number is None:
+            freeze_para_groups_number = self.param_groups
+        return split_parameters_groups(model, freeze_para_groups_number)
+
+    def generate_freeze_index_sequence(
+        self, parameter_groups_number=None, freeze_strategy=None, freeze_p=None, total_steps=None
+    ):
+        """`generate_freeze_index_sequence`; arguments not given come from this object."""
+        return generate_freeze_index_sequence(
+            self.param_groups if parameter_groups_number is None else parameter_groups_number,
+            self.freeze_type if freeze_strategy is None else freeze_strategy,
+            self.freeze_p if freeze_p is None else freeze_p,
+            self.total_steps if total_steps is None else total_steps,
+            self.seed,
+        )
+
+    def freeze_generate(self, model, optimizer):
+        """Returns `(model, FreezeOpt(optimizer, groups, sequence))`; the model is unchanged."""
+        groups = self.split_parameters_groups(model)
+        sequence = self.generate_freeze_index_sequence()
+        return model, FreezeOpt(optimizer, groups, sequence)
+
+    def get_config(self):
+        return {
+            "param_groups": self.param_groups,
+            "freeze_type": self.freeze_type,
+            "freeze_p": self.freeze_p,
+            "total_steps": self.total_steps,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+class FreezeSchedule:
+    """The gradient-freeze stage of the boost step: which group trains, and where the sequence stands.
+
+    Made from a `GradientFreeze` (groups split from the model when the step is built) or
+    a ready `FreezeOpt`. Its position in the sequence is a variable, so a restored run
+    continues the same schedule; it advances once per optimizer update (a whole
+    accumulation window trains one group) and wraps around at the end of the sequence.
+    """
+
+    def __init__(self, source):
+        if not isinstance(source, (GradientFreeze, FreezeOpt)):
+            raise TypeError(f"gradient_freeze must be a GradientFreeze or a FreezeOpt, got {type(source).__name__}")
+        self.source = source
+        self.plan = None
+
+    def build(self, state, model, optimizer):
+        freeze_opt = self.source
+        if isinstance(freeze_opt, GradientFreeze):
+            _, freeze_opt = freeze_opt.freeze_generate(model, optimizer)
+        self.plan = freeze_cell(model, freeze_opt)
+        self.position = state.add_state("freeze/position", 0, "int64")
+        self.last_group = state.add_state("freeze/group", 0, "int32")
+
+    @property
+    def group_indices(self):
+        """Per group, the indices of its variables in `model.trainable_variables`."""
+        return [list(branch.indices) for branch in self.plan.branches]
+
+    def current_group(self):
+        group = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        self.last_group.assign(group)
+        return group
+
+    def advance(self):
+        self.position.assign((self.position.value + 1) % self.plan.period)
+
+    def logs(self):
+        return {"freeze_group": self.last_group.value}

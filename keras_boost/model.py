@@ -1,0 +1,126 @@
+"""BoostModel: a keras.Model whose train_step runs the boost step across Horovod workers."""
+
+import keras
+import tensorflow as tf
+
+from keras_boost import distributed
+from keras_boost.loss_scale import DynamicLossScale, LossScale, as_loss_scale
+from keras_boost.state import BoostState
+from keras_boost.step import BoostTrainOneStep
+
+
+def _loss_scale_option(loss_scale):
+    """`compile(loss_scale=...)`: None/"auto", "dynamic", a number, a tensor or a stage."""
+    if loss_scale is None or loss_scale == "auto":
+        policy = keras.config.dtype_policy().name
+        return DynamicLossScale() if policy == "mixed_float16" else None
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(f"loss_scale must be None, 'auto', 'dynamic', a number, a scalar tensor or a "
+                         f"LossScale, got {loss_scale!r}")
+    if isinstance(loss_scale, LossScale):
+        return loss_scale
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return as_loss_scale(tf.constant(float(loss_scale)), name="loss_scale")
+    return as_loss_scale(loss_scale, name="loss_scale")
+
+
+@keras.saving.register_keras_serializable(package="keras_boost")
+class BoostModel(keras.Model):
+    """A `keras.Model` trained by the boost step, with gradients averaged across Horovod workers.
+
+    Build it like any Keras model, functionally (`BoostModel(inputs, outputs)`) or by
+    subclassing, then `compile` it with the boost options and `fit` it. Under `horovodrun`
+    or `mpirun` every worker runs the same script on its own shard of the data; gradients
+    are averaged in one fused allreduce per update, all variables are broadcast from rank
+    0 when `fit` starts, the epoch logs of `fit` and `evaluate` are averaged across
+    workers, and the progress bar is shown on rank 0 only.
+
+    Boost options of `compile` (all off by default):
+        sens: scale of the loss gradient (the seed's `sens`), default 1.0.
+        loss_scale: None or "auto" (dynamic scaling under the `mixed_float16` policy,
+            none otherwise), "dynamic", a number or scalar tensor (fixed), or a
+            `DynamicLossScale` / `FixedLossScale`.
+        gradient_accumulation: micro-batches per update (int) or a `GradientAccumulation`.
+        gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
+        gradient_centralization: True, or a `GradientCentralization`.
+        adasum: True, or an `AdaSum` stage.
+
+    Example:
+        >>> inputs = keras.Input((28, 28, 1))
+        >>> outputs = keras.layers.Dense(10)(keras.layers.Flatten()(inputs))
+        >>> model = keras_boost.BoostModel(inputs, outputs)
+        >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+        ...               gradient_accumulation=4)
+        >>> model.fit(x, y, batch_size=32)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.boost_state = BoostState()
+        self.boost_step = None
+
+    # --------------------------------------------------------------- compile
+    def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
+                gradient_freeze=None, gradient_centralization=None, adasum=None, **kwargs):
+        from keras_boost import stages
+
+        kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self.boost_step = BoostTrainOneStep(
+            self,
+            self.optimizer,
+            sens=sens,
+            loss_scale=_loss_scale_option(loss_scale),
+            gradient_accumulation=stages.accumulation_option(gradient_accumulation),
+            gradient_freeze=stages.freeze_option(gradient_freeze),
+            gradient_centralization=stages.centralization_option(gradient_centralization, self),
+            adasum=stages.adasum_option(adasum),
+        )
+        if self.built:
+            self.boost_step.build(self.boost_state)
+
+    # ----------------------------------------------------------------- steps
+    def train_step(self, data):
+        if self.boost_step is None:
+            raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
+        self.boost_step.build(self.boost_state)
+        return self.boost_step(data)
+
+    # ------------------------------------------------------ worker agreement
+    def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
+        from keras_boost.callbacks import BroadcastGlobalVariablesCallback
+
+        callbacks = list(callbacks or [])
+        if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
+            callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
+        return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+
+    def evaluate(self, *args, verbose="auto", **kwargs):
+        return super().evaluate(*args, verbose=_rank_zero_verbose(verbose), **kwargs)
+
+    def get_metrics_result(self):
+        """The metric results, averaged across workers when called between steps."""
+        results = super().get_metrics_result()
+        if tf.inside_function() or distributed.size() == 1 or not results:
+            return results
+        names = sorted(results)
+        values = [tf.cast(tf.convert_to_tensor(results[n]), tf.float32) for n in names]
+        averaged = distributed.grouped_allreduce(values, average=True)
+        return {n: float(v.numpy()) for n, v in zip(names, averaged)}
+
+    def _get_metrics_result_or_logs(self, logs):
+        # The step's logs carry boost scalars besides the metrics; Keras only swaps in the
+        # (worker-averaged) metric results when the keys match, so split them off first.
+        boost_keys = set(self.boost_step.logs()) if self.boost_step is not None and self.boost_step.built else set()
+        if not isinstance(logs, dict) or not boost_keys & set(logs):
+            return super()._get_metrics_result_or_logs(logs)
+        metrics = {k: v for k, v in logs.items() if k not in boost_keys}
+        result = dict(super()._get_metrics_result_or_logs(metrics))
+        result.update({k: v for k, v in logs.items() if k in boost_keys})
+        return result
+
+
+def _rank_zero_verbose(verbose):
+    return verbose if distributed.rank() == 0 else 0

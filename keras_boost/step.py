@@ -1,0 +1,211 @@
+"""The boost step: one training step made of small stages with their own state.
+
+`BoostTrainOneStep` is the seed's `BoostTrainOneStepCell`. It owns the stages and runs
+them in this fixed order inside the compiled `train_step`:
+
+    [freeze: pick group k] -> forward + loss -> scale loss -> gradients of group k only
+    -> unscale -> [accumulate locally; continue only at a window boundary]
+    -> one fused allreduce (inside the AdaSum group when AdaSum is on)
+    -> overflow decided on the reduced gradients (identical on every worker)
+    -> gradient centralization -> apply (optimizer step | AdaSum: local step + combine)
+    -> loss-scale update, freeze position advance -> logs
+
+Each stage creates its variables in the model's `BoostState` layer, so checkpoints carry
+them. With gradient freezing, one branch per group is traced once and chosen inside the
+compiled step with `tf.switch_case`; only the taken branch runs, so the backward pass
+through the frozen prefix is never computed.
+"""
+
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_boost import distributed
+from keras_boost.loss_scale import LossScale, all_finite, as_loss_scale
+
+
+def check_sens(sens):
+    if isinstance(sens, bool) or not isinstance(sens, numbers.Real):
+        raise TypeError(f"sens must be a number (the scale of the loss gradient), got {sens!r} of type "
+                        f"{type(sens).__name__}")
+    if sens == 0 or not np.isfinite(sens):
+        raise ValueError(f"sens must be finite and non-zero, got {sens!r}")
+    return float(sens)
+
+
+class BoostTrainOneStep:
+    """Runs one boost training step of `model` with `optimizer` (the seed's BoostTrainOneStepCell).
+
+    Args:
+        model: the Keras model being trained (usually a `BoostModel`, which owns the step).
+        optimizer: a built or unbuilt `keras.optimizers.Optimizer`.
+        sens: scale of the loss gradient, default 1.0. As in the seed the gradients stay
+            multiplied by it (with plain SGD it scales the learning rate); use a loss-scale
+            stage for mixed precision instead.
+        loss_scale: a loss-scale stage (`DynamicLossScale`, `FixedLossScale`) or None.
+        gradient_accumulation: a `GradientAccumulation` stage or None.
+        gradient_freeze: a `FreezeSchedule` stage or None.
+        gradient_centralization: a `GradientCentralization` stage or None.
+        adasum: an `AdaSum` stage or None.
+
+    Example:
+        >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1))
+        >>> logs = step(batch)  # inside a compiled train_step
+    """
+
+    def __init__(self, model, optimizer, sens=1.0, *, loss_scale=None, gradient_accumulation=None,
+                 gradient_freeze=None, gradient_centralization=None, adasum=None):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            raise TypeError(f"loss_scale must be a DynamicLossScale, FixedLossScale or None, got {loss_scale!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.sens = check_sens(sens)
+        self.loss_scale = loss_scale
+        self.accumulation = gradient_accumulation
+        self.freeze = gradient_freeze
+        self.centralization = gradient_centralization
+        self.adasum = adasum
+        self.built = False
+
+    # ----------------------------------------------------------------- build
+    def build(self, state):
+        """Creates every stage's variables in `state` and builds the optimizer (eagerly)."""
+        if self.built:
+            return
+        distributed.init()
+        with tf.init_scope():
+            variables = list(self.model.trainable_variables)
+            if not self.optimizer.built:
+                self.optimizer.build(variables)
+            self._variables = variables
+            self._groups = [list(range(len(variables)))]
+            if self.loss_scale is not None:
+                self.loss_scale.build(state)
+            if self.accumulation is not None:
+                self.accumulation.build(state, variables)
+            if self.freeze is not None:
+                self.freeze.build(state, self.model, self.optimizer)
+                self._groups = self.freeze.group_indices
+            if self.adasum is not None:
+                self.adasum.build(state, variables)
+        self.built = True
+
+    # ------------------------------------------------------------------ step
+    def __call__(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        if len(self._groups) == 1:
+            loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)
+        else:
+            group = self.freeze.current_group()
+            branches = [self._branch_fn(indices, x, y, sample_weight) for indices in self._groups]
+            loss, y_pred = tf.switch_case(group, branches)
+        batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+        self.model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+                                              sample_weight=batch_size)
+        logs = dict(self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs.update(self.logs())
+        return logs
+
+    def logs(self):
+        """The boost scalars of the last step (identical on every worker)."""
+        logs = {}
+        if self.loss_scale is not None:
+            logs.update(self.loss_scale.logs())
+        if self.freeze is not None:
+            logs.update(self.freeze.logs())
+        return logs
+
+    def _branch_fn(self, indices, x, y, sample_weight):
+        def branch():
+            loss, y_pred = self._branch(indices, x, y, sample_weight)
+            return loss, y_pred
+
+        return branch
+
+    def _branch(self, indices, x, y, sample_weight):
+        """Forward, backward for the variables at `indices` only, then the update stages."""
+        watched = [self._variables[i].value for i in indices]  # the tf.Variables under the Keras ones
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            y_pred = self.model(x, training=True)
+            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            target = loss * self.sens if self.sens != 1.0 else loss
+            if self.loss_scale is not None:
+                target = self.loss_scale.scale_loss(target)
+        grads = tape.gradient(target, watched)
+        connected = [(g, i) for g, i in zip(grads, indices) if g is not None]
+        grads = [g for g, _ in connected]
+        indices = [i for _, i in connected]
+        if self.loss_scale is not None:
+            grads = self.loss_scale.unscale(grads)
+        if self.accumulation is None:
+            self._update(grads, indices)
+        else:
+            boundary = self.accumulation.accumulate(grads, indices)
+            tf.cond(boundary, lambda: self._update_from_window(indices), tf.no_op)
+        return loss, y_pred
+
+    def _update_from_window(self, indices):
+        self._update(self.accumulation.mean(indices), indices)
+        self.accumulation.reset(indices)
+
+    def _update(self, grads, indices):
+        """Communicates once, decides overflow for all workers, applies, updates stage state."""
+        grads = self._reduce(grads)
+        variables = [self._variables[i] for i in indices]
+        if self.loss_scale is None:
+            self._apply(grads, variables)
+        else:
+            skip = self.loss_scale.update(all_finite(grads))
+            tf.cond(skip, tf.no_op, lambda: self._apply(grads, variables))
+        if self.freeze is not None:
+            self.freeze.advance()
+
+    def _reduce(self, grads):
+        if self.adasum is not None:
+            return self.adasum.reduce_gradients(grads)
+        if distributed.size() == 1:
+            return grads
+        return distributed.grouped_allreduce(grads, average=True)
+
+    def _apply(self, grads, variables):
+        if self.centralization is not None:
+            grads = self.centralization.apply(grads, variables)
+        if self.adasum is not None:
+            self.adasum.apply(self.optimizer, grads, variables)
+        else:
+            self.optimizer.apply(grads, variables)
+        return tf.no_op()
+
+
+class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
+    """The boost step with loss scaling (the seed's BoostTrainOneStepWithLossScaleCell).
+
+    Args:
+        model: the Keras model being trained.
+        optimizer: a `keras.optimizers.Optimizer`.
+        scale_sense: a `DynamicLossScale` / `FixedLossScale`, or a tensor of shape () or
+            (1,) holding a fixed scale (change it between steps with `set_sense_scale`).
+        **stages: the other stages of `BoostTrainOneStep`.
+
+    Example:
+        >>> step = keras_boost.BoostTrainOneStepWithLossScale(
+        ...     model, optimizer, keras_boost.DynamicLossScale())
+    """
+
+    def __init__(self, model, optimizer, scale_sense, **stages):
+        super().__init__(model, optimizer, loss_scale=as_loss_scale(scale_sense), **stages)
+
+    def set_sense_scale(self, value):
+        """Sets the loss scale from the host (the seed's `set_sense_scale`)."""
+        if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, numbers.Real)) or isinstance(value, bool):
+            raise TypeError(f"The input type must be Tensor, but got {type(value).__name__}")
+        self.loss_scale.scale.assign(tf.reshape(tf.cast(value, tf.float32), []))

@@ -1,0 +1,58 @@
+"""Launches real multi-process runs under horovodrun (Gloo or MPI) with a hard timeout."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+RESULT_PREFIX = "KB_RESULT "
+
+
+def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None):
+    """Runs `tests/workers/<script>` on `np` local processes; returns the CompletedProcess.
+
+    The whole process group is killed after `timeout` seconds, so a hung worker can never
+    hang the suite; the call then raises `subprocess.TimeoutExpired`.
+    """
+    if controller not in ("gloo", "mpi"):
+        raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
+    horovodrun_bin = str(Path(sys.executable).parent / "horovodrun")
+    cmd = [horovodrun_bin, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
+           "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+                     "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def results(completed):
+    """The JSON objects the workers printed with `report()`, keyed by rank."""
+    found = {}
+    for line in completed.stdout.splitlines():
+        _, sep, payload = line.partition(RESULT_PREFIX)
+        if sep:
+            data = json.loads(payload)
+            found[data["rank"]] = data
+    return found
+
+
+def run_ok(script, np=2, controller="gloo", args=(), timeout=240, env=None):
+    """Runs the workers, asserts a clean exit and one result per rank; returns the results."""
+    completed = horovodrun(script, np=np, controller=controller, args=args, timeout=timeout, env=env)
+    assert completed.returncode == 0, completed.stdout[-6000:]
+    found = results(completed)
+    assert sorted(found) == list(range(np)), completed.stdout[-6000:]
+    return found
