@@ -71,17 +71,21 @@ def _coefficient(dot, normsq):
     return tf.where(normsq >= _NORM_FLOOR, coefficient, tf.ones_like(coefficient))
 
 
-def _pair_flat(a, b, segment_ids, num_segments, eps):
-    """AdaSum of flat vectors `a` and `b`, one coefficient pair per segment."""
+def _pair_flat(a, b, segment_ids, sizes, eps):
+    """AdaSum of flat vectors `a` and `b`, one coefficient pair per segment.
+
+    `segment_ids` (sorted) numbers the segment of every element; `sizes` are the
+    segment lengths.
+    """
     a64 = tf.cast(a, tf.float64)
     b64 = tf.cast(b, tf.float64)
 
     def per_segment(values):
-        return tf.math.unsorted_segment_sum(values, segment_ids, num_segments) + eps
+        return tf.math.segment_sum(values, segment_ids) + eps
 
     dot = per_segment(a64 * b64)
-    acoeff = tf.gather(_coefficient(dot, per_segment(a64 * a64)), segment_ids)
-    bcoeff = tf.gather(_coefficient(dot, per_segment(b64 * b64)), segment_ids)
+    acoeff = tf.repeat(_coefficient(dot, per_segment(a64 * a64)), sizes)
+    bcoeff = tf.repeat(_coefficient(dot, per_segment(b64 * b64)), sizes)
     return tf.cast(acoeff * a64 + bcoeff * b64, a.dtype)
 
 
@@ -102,9 +106,8 @@ def _mean(rows):
 
 def _combine_rows(rows, layout, eps):
     """AdaSum tree over flat per-worker buffers laid out by `layout`; scalars averaged."""
-    num_segments = len(layout.sizes)
-    combined = _tree(rows, lambda a, b: _pair_flat(a, b, layout.segment_ids, num_segments, eps))
-    if len(rows) == 1 or not any(size == 1 for size in layout.sizes):
+    combined = _tree(rows, lambda a, b: _pair_flat(a, b, layout.segment_ids, layout.sizes, eps))
+    if len(rows) == 1 or 1 not in layout.sizes:
         return combined
     return tf.where(layout.scalar_mask, _mean(rows), combined)
 
@@ -127,7 +130,7 @@ def adasum_pair(a, b, eps=0.0):
     b = tf.convert_to_tensor(b, dtype=a.dtype)
     flat_a = tf.reshape(a, [-1])
     segment_ids = tf.zeros_like(flat_a, dtype=tf.int32)
-    combined = _pair_flat(flat_a, tf.reshape(b, [-1]), segment_ids, 1, eps)
+    combined = _pair_flat(flat_a, tf.reshape(b, [-1]), segment_ids, tf.size(flat_a)[tf.newaxis], eps)
     return tf.reshape(combined, tf.shape(a))
 
 

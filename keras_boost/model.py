@@ -2,6 +2,8 @@
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.models.model import Trainer, functional_init_arguments
 
 from keras_boost import distributed
 from keras_boost.loss_scale import DynamicLossScale, LossScale, as_loss_scale
@@ -56,8 +58,19 @@ class BoostModel(keras.Model):
         >>> model.fit(x, y, batch_size=32)
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Keras makes a functional subclass by rewriting the class's bases for good, which
+        # would break every later subclass of BoostModel; use a functional variant instead.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = _functional_variant(cls)
+        return super().__new__(cls)
+
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        if isinstance(self, Functional):
+            Trainer.__init__(self)
+            Functional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
         self.boost_state = BoostState()
         self.boost_step = None
 
@@ -85,6 +98,10 @@ class BoostModel(keras.Model):
     def train_step(self, data):
         if self.boost_step is None:
             raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
+        if not self.boost_step.built and not all(layer.built for layer in self._flatten_layers()):
+            # The TensorFlow trainer defers building subclassed models to the first trace;
+            # the boost step needs the variables first.
+            self._symbolic_build(data_batch=data)
         self.boost_step.build(self.boost_state)
         return self.boost_step(data)
 
@@ -120,6 +137,16 @@ class BoostModel(keras.Model):
         result = dict(super()._get_metrics_result_or_logs(metrics))
         result.update({k: v for k, v in logs.items() if k in boost_keys})
         return result
+
+
+_FUNCTIONAL_VARIANTS = {}
+
+
+def _functional_variant(cls):
+    """`cls` with `Functional` mixed in (made once per class)."""
+    if cls not in _FUNCTIONAL_VARIANTS:
+        _FUNCTIONAL_VARIANTS[cls] = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+    return _FUNCTIONAL_VARIANTS[cls]
 
 
 def _rank_zero_verbose(verbose):

@@ -3,6 +3,7 @@
 # the .venv, TensorFlow/Keras, and Horovod built with TensorFlow + MPI + Gloo.
 # Idempotent: a rerun checks each step and skips what is already in place.
 set -euo pipefail
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -25,19 +26,23 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   step "    installing ${missing[*]}"
   $SUDO apt-get update -qq || die "apt-get update failed (no access to the Debian mirror?)"
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-    || die "apt-get install ${missing[*]} failed"
+  log=$(mktemp)
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >"$log" 2>&1 \
+    || { tail -30 "$log"; die "apt-get install ${missing[*]} failed"; }
+  rm -f "$log"
 else
   step "    all present"
 fi
 [ -f "$DATA_DIR/train-images-idx3-ubyte.gz" ] || die "Fashion-MNIST not found in $DATA_DIR after installing dataset-fashion-mnist"
 
 step "2/5 virtual environment in $VENV"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV" || die "python3 -m venv failed"
-fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade "pip<26" wheel setuptools >/dev/null || die "could not upgrade pip in the venv"
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$VENV" || die "python3 -m venv failed"
+  "$PY" -m pip install -q --upgrade "pip<26" wheel setuptools || die "could not upgrade pip in the venv"
+else
+  step "    exists"
+fi
 
 step "3/5 TensorFlow $TF_VERSION, Keras 3, mpi4py, test tools"
 if ! "$PY" -c "import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION')" 2>/dev/null \
@@ -49,12 +54,10 @@ fi
 
 step "4/5 Horovod $HVD_VERSION (TensorFlow + MPI + Gloo)"
 hvd_ok() {
-  "$PY" - <<'PY' 2>/dev/null
-import sys
-import horovod, horovod.tensorflow as hvd
-ok = horovod.__version__ == sys.argv[1] if len(sys.argv) > 1 else True
-sys.exit(0 if (hvd.mpi_built() and hvd.gloo_built()) else 1)
-PY
+  HVD_VERSION="$HVD_VERSION" "$PY" -c '
+import os, sys, horovod, horovod.tensorflow as hvd
+sys.exit(0 if horovod.__version__ == os.environ["HVD_VERSION"] and hvd.mpi_built() and hvd.gloo_built() else 1)
+' 2>/dev/null
 }
 if hvd_ok; then
   step "    already installed"
@@ -79,6 +82,9 @@ else
 fi
 
 step "5/5 keras_boost (editable) and the keras-boost command"
-"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null || die "pip install -e $ROOT failed"
+if [ "$(cd /tmp && "$PY" -c 'import os, keras_boost; print(os.path.dirname(os.path.dirname(keras_boost.__file__)))' 2>/dev/null)" != "$ROOT" ] \
+   || [ ! -x "$VENV/bin/keras-boost" ]; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null || die "pip install -e $ROOT failed"
+fi
 "$VENV/bin/keras-boost" --help >/dev/null || die "the keras-boost command does not run"
 step "done: $("$PY" -c 'import tensorflow as tf, keras, horovod; print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Horovod {horovod.__version__}")')"

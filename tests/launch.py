@@ -5,11 +5,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
-RESULT_PREFIX = "KB_RESULT "
 
 
 def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None):
@@ -27,6 +27,8 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None):
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
                      "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
     full_env.update(env or {})
+    result_dir = tempfile.mkdtemp(prefix="kb_results_")
+    full_env["KB_RESULT_DIR"] = result_dir
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
     try:
@@ -35,17 +37,18 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    completed.result_dir = result_dir
+    return completed
 
 
 def results(completed):
-    """The JSON objects the workers printed with `report()`, keyed by rank."""
+    """The JSON objects the workers recorded with `report()`, keyed by rank."""
     found = {}
-    for line in completed.stdout.splitlines():
-        _, sep, payload = line.partition(RESULT_PREFIX)
-        if sep:
-            data = json.loads(payload)
-            found[data["rank"]] = data
+    for name in sorted(os.listdir(completed.result_dir)):
+        with open(os.path.join(completed.result_dir, name)) as handle:
+            data = json.load(handle)
+        found[data["rank"]] = data
     return found
 
 

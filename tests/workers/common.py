@@ -10,5 +10,10 @@ RESULT_PREFIX = "KB_RESULT "
 
 
 def report(rank, **values):
-    """Prints one result line that `tests.launch.results` parses (one per rank)."""
-    print(RESULT_PREFIX + json.dumps({"rank": rank, **values}), flush=True)
+    """Records this rank's result for `tests.launch.results` (a file per rank, and a line)."""
+    line = json.dumps({"rank": rank, **values})
+    directory = os.environ.get("KB_RESULT_DIR")
+    if directory:
+        with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
+            handle.write(line)
+    print(RESULT_PREFIX + line, flush=True)

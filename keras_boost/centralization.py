@@ -1,0 +1,151 @@
+"""Gradient centralization: a boost-step stage that removes each filter's mean gradient.
+
+The form of MindSpore's optimizer `grad_centralization` groups (Yong et al., "Gradient
+Centralization", ECCV 2020). Keras kernels are laid out `(..., in, out)`, so a
+gradient is centred over every axis except the last (the output channel), and
+MindSpore's `shape[1] % 16 == 0` test on its `(out, in, ...)` layout becomes a test
+on the second-to-last (input-channel) axis.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_boost.layers import FNHead
+
+_L = keras.layers
+_PLAIN_CONVS = (_L.Conv1D, _L.Conv2D, _L.Conv3D)
+
+
+class GradientCentralization:
+    """Centres the gradients of selected kernels: `g - mean(g, axes=all but last)`.
+
+    A gradient is centred when its variable is one of `variables`, it has rank 2 or
+    more, and its input-channel size (`shape[-2]`) is a multiple of
+    `min_channels_multiple`; every other gradient, and every `None`, passes through.
+    The stage has no state and works eagerly and inside `tf.function`.
+
+    Args:
+        variables: list or tuple of Keras variables to centralise, usually
+            `gc_variables(model)`. May be empty (the stage is then the identity).
+        min_channels_multiple: positive int; MindSpore centralises only kernels whose
+            input-channel count is a multiple of 16, which leaves out the first conv of
+            an RGB network. Defaults to 16; 1 centralises every selected kernel.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16)])
+    >>> stage = GradientCentralization(gc_variables(model))
+    >>> grads = stage.apply([tf.ones((32, 16)), tf.ones((16,))], model.trainable_variables)
+    >>> float(tf.reduce_max(tf.abs(grads[0])))
+    0.0
+    """
+
+    def __init__(self, variables, min_channels_multiple=16):
+        if not isinstance(variables, (list, tuple)) or not all(
+            isinstance(v, keras.Variable) for v in variables
+        ):
+            raise TypeError(
+                "`variables` must be a list or tuple of keras.Variable, got "
+                f"{_describe(variables)}."
+            )
+        if isinstance(min_channels_multiple, bool) or not isinstance(min_channels_multiple, int):
+            raise TypeError(
+                "`min_channels_multiple` must be a positive int, got "
+                f"{min_channels_multiple!r}."
+            )
+        if min_channels_multiple < 1:
+            raise ValueError(
+                "`min_channels_multiple` must be a positive int, got "
+                f"{min_channels_multiple}."
+            )
+        self.variables = list(variables)
+        self.min_channels_multiple = min_channels_multiple
+        self._selected = {id(v) for v in variables}
+
+    def applies_to(self, variable):
+        """Whether the gradient of `variable` gets centralised."""
+        shape = variable.shape
+        return (
+            id(variable) in self._selected
+            and len(shape) >= 2
+            and shape[-2] % self.min_channels_multiple == 0
+        )
+
+    def apply(self, grads, variables):
+        """Returns `grads` with the selected ones centralised.
+
+        Args:
+            grads: list of gradients (tensors or `None`), parallel to `variables`.
+            variables: list of the variables the gradients belong to.
+
+        Returns:
+            A new list of the same length as `grads`.
+        """
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"`grads` and `variables` must have the same length, got {len(grads)} "
+                f"gradients and {len(variables)} variables."
+            )
+        return [
+            _centralize(g) if g is not None and self.applies_to(v) else g
+            for g, v in zip(grads, variables)
+        ]
+
+
+def _centralize(grad):
+    axes = list(range(len(grad.shape) - 1))
+    return grad - tf.reduce_mean(grad, axis=axes, keepdims=True)
+
+
+def _describe(value):
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    return f"{type(value).__name__}"
+
+
+def gc_variables(model):
+    """The kernels MindSpore's AutoBoost puts in its gradient-centralization group.
+
+    Selected: kernels of Conv1D/2D/3D with `groups == 1`, the pointwise kernel of
+    SeparableConv1D/2D, and kernels of Dense and EinsumDense, when trainable. Not
+    selected: biases, normalisation parameters, depthwise and grouped kernels,
+    transposed-conv kernels (laid out `(..., out, in)`), and the `FNHead`.
+
+    Args:
+        model: a Keras layer or model; nested layers and models are searched.
+
+    Returns:
+        A list of variables, in layer order, without duplicates.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3)])
+    >>> [v.path for v in gc_variables(model)]
+    ['conv2d/kernel']
+    """
+    if not isinstance(model, _L.Layer):
+        raise TypeError(f"`model` must be a Keras layer or model, got {type(model).__name__}.")
+    selected, seen = [], set()
+    # Keras has no public walk over nested layers; _flatten_layers lists them all.
+    for layer in model._flatten_layers():
+        for variable in _layer_gc_variables(layer):
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                selected.append(variable)
+    return selected
+
+
+def _layer_gc_variables(layer):
+    if isinstance(layer, FNHead) or not layer.built:
+        return []
+    if isinstance(layer, _PLAIN_CONVS) and layer.groups == 1:
+        candidates = [layer.kernel]
+    elif isinstance(layer, (_L.SeparableConv1D, _L.SeparableConv2D)):
+        candidates = [layer.pointwise_kernel]
+    elif isinstance(layer, (_L.Dense, _L.EinsumDense)):
+        # With LoRA or quantization, `kernel` is a computed tensor, not a variable.
+        candidates = [layer.kernel]
+    else:
+        return []
+    return [v for v in candidates if isinstance(v, keras.Variable) and v.trainable]

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs the whole keras_boost test suite (single- and multi-process), setting up first when needed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup.sh"
+cd "$ROOT"
+export TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1
+exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 "$@" tests

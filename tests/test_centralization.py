@@ -1,0 +1,112 @@
+"""Gradient centralization: the variable selection, the math against NumPy, validation."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_boost.centralization import GradientCentralization, gc_variables
+from keras_boost.layers import FNHead
+
+
+def _zoo():
+    """One layer of each kind gc_variables must select or leave out."""
+    inputs = keras.Input((8, 8, 16))
+    x = keras.layers.Conv2D(32, 3, padding="same", name="conv")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.DepthwiseConv2D(3, padding="same", name="depthwise")(x)
+    x = keras.layers.Conv2D(32, 1, groups=4, name="grouped")(x)
+    x = keras.layers.SeparableConv2D(16, 3, padding="same", name="separable")(x)
+    x = keras.layers.Conv2DTranspose(16, 2, name="transposed")(x)
+    x = keras.layers.LayerNormalization(name="ln")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.EinsumDense("ab,bc->ac", output_shape=16, bias_axes="c", name="einsum")(x)
+    x = keras.layers.Dense(16, name="dense")(x)
+    outputs = FNHead(4, name="fn")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _random_grads(variables, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tf.constant(rng.normal(3.0, 1.0, size=v.shape).astype(np.float32)) for v in variables]
+
+
+def test_gc_variables_selects_plain_conv_pointwise_and_dense_kernels():
+    paths = [v.path for v in gc_variables(_zoo())]
+    assert paths == ["conv/kernel", "separable/pointwise_kernel", "einsum/kernel", "dense/kernel"]
+
+
+def test_gc_variables_searches_nested_models():
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, name="inner_dense")],
+                             name="inner")
+    inputs = keras.Input((4,))
+    outer = keras.Model(inputs, keras.layers.Dense(2, name="outer_dense")(inner(inputs)))
+    assert [v.path for v in gc_variables(outer)] == ["inner/inner_dense/kernel", "outer_dense/kernel"]
+
+
+def test_gc_variables_rejects_non_layers():
+    with pytest.raises(TypeError, match="`model` must be a Keras layer or model, got str"):
+        gc_variables("model")
+
+
+def test_centralized_gradients_match_numpy_and_others_are_untouched():
+    model = _zoo()
+    stage = GradientCentralization(gc_variables(model))
+    variables = model.trainable_variables
+    grads = _random_grads(variables)
+    out = stage.apply(grads, variables)
+    for g, new, v in zip(grads, out, variables):
+        g = g.numpy()
+        if v.path in ("conv/kernel", "separable/pointwise_kernel", "einsum/kernel", "dense/kernel"):
+            axes = tuple(range(g.ndim - 1))
+            np.testing.assert_allclose(new, g - g.mean(axis=axes, keepdims=True), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(new).mean(axis=axes), 0.0, atol=1e-5)
+        else:
+            assert np.array_equal(new, g), v.path
+
+
+def test_input_channel_rule_follows_mindspore_and_can_be_disabled():
+    model = keras.Sequential([keras.Input((4, 4, 3)), keras.layers.Conv2D(16, 3, name="stem"),
+                              keras.layers.Conv2D(8, 1, name="next")])
+    variables = gc_variables(model)
+    grads = _random_grads(variables)
+    default = GradientCentralization(variables).apply(grads, variables)
+    assert np.array_equal(default[0], grads[0])  # 3 input channels: left alone, as in MindSpore
+    assert not np.array_equal(default[1], grads[1])  # 16 input channels: centralised
+    every = GradientCentralization(variables, min_channels_multiple=1).apply(grads, variables)
+    assert not np.array_equal(every[0], grads[0])
+
+
+def test_none_gradients_pass_through_and_tf_function_matches_eager():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    stage = GradientCentralization(gc_variables(model))
+    variables = model.trainable_variables
+    grads = _random_grads(variables)
+    grads[1] = None
+    eager = stage.apply(grads, variables)
+    assert eager[1] is None
+    traced = tf.function(lambda g0, g2, g3: stage.apply([g0, None, g2, g3], variables))(
+        grads[0], grads[2], grads[3]
+    )
+    for a, b in zip(eager, traced):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("variables", ["kernel", None, [tf.ones((2, 2))], [1.0]])
+def test_variables_must_be_a_list_of_keras_variables(variables):
+    with pytest.raises(TypeError, match="`variables` must be a list or tuple of keras.Variable"):
+        GradientCentralization(variables)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-16, ValueError), (16.0, TypeError),
+                                          (True, TypeError), ("16", TypeError)])
+def test_min_channels_multiple_validation(value, error):
+    with pytest.raises(error, match="`min_channels_multiple` must be a positive int"):
+        GradientCentralization([], min_channels_multiple=value)
+
+
+def test_apply_rejects_lists_of_different_lengths():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
+    stage = GradientCentralization(gc_variables(model))
+    with pytest.raises(ValueError, match="same length, got 1 gradients and 2 variables"):
+        stage.apply([tf.ones((16, 16))], model.trainable_variables)

@@ -1,0 +1,321 @@
+"""LessBN: which BatchNorms each rule removes, graph fidelity, FN head, validation."""
+
+import logging
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from keras_boost import BoostModel
+from keras_boost.layers import FNHead
+from keras_boost.less_bn import LessBN, LessBNReport
+
+BN = keras.layers.BatchNormalization
+X32 = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+
+
+def _bn_names(model):
+    return [layer.name for layer in model.layers if isinstance(layer, BN)]
+
+
+def _conv_bn_relu(x, filters, kernel, name, strides=1):
+    x = keras.layers.Conv2D(filters, kernel, strides, padding="same", name=f"{name}_conv")(x)
+    x = BN(name=f"{name}_bn")(x)
+    return keras.layers.ReLU(name=f"{name}_relu")(x)
+
+
+def _basic_block(x, filters, name, strides=1):
+    shortcut = x
+    if strides != 1 or x.shape[-1] != filters:
+        shortcut = keras.layers.Conv2D(filters, 1, strides, name=f"{name}_shortcut_conv")(x)
+        shortcut = BN(name=f"{name}_shortcut_bn")(shortcut)
+    y = _conv_bn_relu(x, filters, 3, f"{name}_1", strides)
+    y = keras.layers.Conv2D(filters, 3, padding="same", name=f"{name}_2_conv")(y)
+    y = BN(name=f"{name}_2_bn")(y)
+    return keras.layers.ReLU(name=f"{name}_out")(keras.layers.Add(name=f"{name}_add")([shortcut, y]))
+
+
+def residual_cnn(model_class=keras.Model, activation=None):
+    """Stem, an identity block, a projection block, an identity block, GAP, Dense 10."""
+    inputs = keras.Input((16, 16, 3), name="image")
+    x = _conv_bn_relu(inputs, 8, 3, "stem")
+    x = _basic_block(x, 8, "block1")
+    x = _basic_block(x, 16, "block2", strides=2)
+    x = _basic_block(x, 16, "block3")
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    outputs = keras.layers.Dense(10, activation=activation, name="logits")(x)
+    return model_class(inputs, outputs, name="residual_cnn")
+
+
+def _set_removed_bns_to_identity(model, report):
+    """Makes the BNs LessBN removed compute the identity in inference."""
+    for name in report.removed:
+        bn = model.get_layer(name)
+        bn.set_weights([np.ones(bn.gamma.shape), np.zeros(bn.beta.shape),
+                        np.zeros(bn.moving_mean.shape), np.full(bn.moving_variance.shape, 1 - bn.epsilon)])
+
+
+def _assert_same_function_without_removed_bns(model, lean):
+    _set_removed_bns_to_identity(model, lean.less_bn_report)
+    np.testing.assert_allclose(lean(X32, training=False), model(X32, training=False), rtol=1e-4, atol=1e-5)
+
+
+def _assert_kept_weights_equal(model, lean):
+    for layer in lean.layers:
+        if layer.weights and not isinstance(layer, FNHead):
+            original = model.get_layer(layer.name).get_weights()
+            assert all(np.array_equal(a, b) for a, b in zip(layer.get_weights(), original)), layer.name
+
+
+def _train_one_step(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(1).normal(size=(4,) + tuple(model.input.shape[1:])).astype(np.float32)
+    loss = model.train_on_batch(x, np.arange(4) % 10)
+    assert np.isfinite(loss)
+
+
+# ------------------------------------------------------------------ the small residual CNN
+
+def test_residual_cnn_keeps_the_last_branch_bn_and_the_stem():
+    model = residual_cnn()
+    report = LessBN(model).less_bn_report
+    assert report.removed == {
+        "block1_1_bn": "residual-branch",
+        "block2_shortcut_bn": "shortcut",
+        "block2_1_bn": "residual-branch",
+        "block3_1_bn": "residual-branch",
+    }
+    assert report.kept == ("stem_bn", "block1_2_bn", "block2_2_bn", "block3_2_bn")
+    assert (report.num_removed, report.num_kept, report.fn_heads) == (4, 4, ())
+
+
+def test_residual_cnn_result_computes_the_graph_without_removed_bns():
+    model = residual_cnn()
+    lean = LessBN(model)
+    assert sorted(_bn_names(lean)) == sorted(lean.less_bn_report.kept)
+    assert not any(isinstance(layer, BN) for layer in lean.layers if layer.name in lean.less_bn_report.removed)
+    _assert_kept_weights_equal(model, lean)
+    x = np.random.default_rng(2).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    _set_removed_bns_to_identity(model, lean.less_bn_report)
+    np.testing.assert_allclose(lean(x, training=False), model(x, training=False), rtol=1e-5, atol=1e-6)
+
+
+def test_input_model_is_untouched_even_by_training_the_result():
+    model = residual_cnn()
+    layers_before, bns_before = len(model.layers), _bn_names(model)
+    weights_before = model.get_weights()
+    lean = LessBN(model, fn_flag=True)
+    _train_one_step(lean)
+    assert len(model.layers) == layers_before and _bn_names(model) == bns_before
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights_before))
+    assert not {id(layer) for layer in lean.layers} & {id(layer) for layer in model.layers}
+
+
+def test_fn_flag_replaces_the_output_dense_and_keeps_its_activation():
+    model = residual_cnn(activation="softmax")
+    lean = LessBN(model, fn_flag=True)
+    head = lean.get_layer("logits")
+    assert isinstance(head, FNHead)
+    assert np.array_equal(head.kernel.numpy(), model.get_layer("logits").kernel.numpy())
+    assert [v.path for v in head.weights] == ["logits/kernel", "logits/multiplier"]
+    assert lean.layers[-1].name == "logits_activation"
+    assert lean.layers[-1].get_config()["activation"] == "softmax"
+    assert lean.less_bn_report.fn_heads == ("logits",)
+    features = keras.Model(lean.input, lean.get_layer("pool").output)
+    x = np.random.default_rng(3).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    f = np.asarray(features(x))
+    w = head.kernel.numpy()
+    cosine = (f / np.linalg.norm(f, axis=1, keepdims=True)) @ (w / np.linalg.norm(w, axis=0, keepdims=True))
+    expected = np.exp(cosine) / np.exp(cosine).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(lean(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_dense_head_gets_no_activation_layer():
+    lean = LessBN(residual_cnn(), fn_flag=True)
+    assert isinstance(lean.layers[-1], FNHead)
+
+
+def test_boost_model_input_gives_a_boost_model():
+    lean = LessBN(residual_cnn(BoostModel))
+    assert isinstance(lean, BoostModel)
+    assert lean.name == "residual_cnn"
+    assert not isinstance(LessBN(residual_cnn()), BoostModel)
+
+
+def test_report_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="keras_boost.less_bn"):
+        lean = LessBN(residual_cnn())
+    assert lean.less_bn_report.summary() in caplog.text
+    assert "removed 4 of 8" in caplog.text
+
+
+def test_stem_bn_is_never_removed():
+    inputs = keras.Input((8, 8, 4))
+    y = _conv_bn_relu(inputs, 4, 3, "first")
+    y = BN(name="last_bn")(keras.layers.Conv2D(4, 3, padding="same", name="last_conv")(y))
+    model = keras.Model(inputs, keras.layers.Add()([inputs, y]))
+    with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove"):
+        report = LessBN(model).less_bn_report
+    assert report.kept == ("first_bn", "last_bn")
+
+
+# ------------------------------------------------------------------ Sequential models
+
+def test_sequential_inverted_block_loses_expansion_and_head_bns():
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(16, 3, name="stem"),
+        BN(name="stem_bn"),
+        keras.layers.ReLU(6.0),
+        keras.layers.Conv2D(64, 1, name="expand"),
+        BN(name="expand_bn"),
+        keras.layers.ReLU(6.0),
+        keras.layers.DepthwiseConv2D(3, padding="same", name="depthwise"),
+        BN(name="depthwise_bn"),
+        keras.layers.ReLU(6.0),
+        keras.layers.Conv2D(16, 1, name="project"),
+        BN(name="project_bn"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(4, name="classifier"),
+    ], name="inverted")
+    lean = LessBN(model, fn_flag=True)
+    assert lean.less_bn_report.removed == {"expand_bn": "expansion", "project_bn": "head"}
+    assert lean.less_bn_report.kept == ("stem_bn", "depthwise_bn")
+    assert type(lean) is not keras.Sequential and isinstance(lean, keras.Model)
+    assert isinstance(lean.get_layer("classifier"), FNHead)
+    _train_one_step(lean)
+
+
+def test_model_without_removable_bn_is_copied_with_a_warning():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, name="hidden"), BN(name="bn"),
+                              keras.layers.Dense(3, name="out")])
+    with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove"):
+        lean = LessBN(model)
+    assert lean.less_bn_report == LessBNReport(removed={}, kept=("bn",))
+    assert [layer.name for layer in lean.layers[1:]] == ["hidden", "bn", "out"]
+    x = np.random.default_rng(4).normal(size=(3, 6)).astype(np.float32)
+    assert np.array_equal(lean(x), model(x))
+
+
+# ------------------------------------------------------------------ keras.applications
+
+@pytest.fixture(scope="module")
+def resnet50():
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    return model, LessBN(model)
+
+
+def test_resnet50_matches_mindspore_53_36_17(resnet50):
+    model, lean = resnet50
+    report = lean.less_bn_report
+    names = _bn_names(model)
+    assert (len(names), report.num_removed, report.num_kept) == (53, 36, 17)
+    assert set(report.removed) == {n for n in names if re.search(r"_[012]_bn$", n)}
+    assert list(report.removed.values()).count("shortcut") == 4
+    assert set(report.kept) == {"conv1_bn"} | {n for n in names if n.endswith("_3_bn")}
+    assert _bn_names(lean) == list(report.kept)
+    assert len(_bn_names(model)) == 53 and len(model.layers) == 177
+
+
+def test_resnet50_rewrite_is_exact(resnet50):
+    model, lean = resnet50
+    _assert_kept_weights_equal(model, lean)
+    _assert_same_function_without_removed_bns(model, lean)
+
+
+def test_resnet101_counts():
+    model = keras.applications.ResNet101(weights=None, input_shape=(32, 32, 3), classes=10)
+    report = LessBN(model).less_bn_report
+    names = _bn_names(model)
+    assert (len(names), report.num_removed, report.num_kept) == (104, 70, 34)
+    assert set(report.kept) == {"conv1_bn"} | {n for n in names if n.endswith("_3_bn")}
+
+
+def test_resnet50v2_keeps_last_branch_bn_and_projection_preact():
+    model = keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10)
+    lean = LessBN(model)
+    report = lean.less_bn_report
+    names = _bn_names(model)
+    assert (len(names), report.num_removed, report.num_kept) == (49, 28, 21)
+    block1_preact = {f"conv{s}_block1_preact_bn" for s in range(2, 6)}
+    assert set(report.removed) == {n for n in names if n.endswith("_1_bn")} | (
+        {n for n in names if n.endswith("_preact_bn")} - block1_preact)
+    assert set(report.kept) == {n for n in names if n.endswith("_2_bn")} | block1_preact | {"post_bn"}
+    _assert_same_function_without_removed_bns(model, lean)
+
+
+def test_mobilenetv2_loses_expansion_bns_and_head_bn():
+    model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
+    lean = LessBN(model, fn_flag=True)
+    report = lean.less_bn_report
+    names = _bn_names(model)
+    assert (len(names), report.num_removed, report.num_kept) == (52, 17, 35)
+    assert report.removed == {
+        **{n: "expansion" for n in names if n.endswith("_expand_BN")},
+        "Conv_1_bn": "head",
+    }
+    assert set(report.kept) == {"bn_Conv1"} | {n for n in names if re.search(r"_(depthwise|project)_BN$", n)}
+    assert isinstance(lean.get_layer("predictions"), FNHead)
+    _assert_kept_weights_equal(model, lean)
+    assert np.all(np.isfinite(lean(X32)))
+
+
+def test_densenet121_loses_one_bn_per_dense_layer_and_transition_bns():
+    model = keras.applications.DenseNet121(weights=None, input_shape=(32, 32, 3), classes=10)
+    lean = LessBN(model)
+    report = lean.less_bn_report
+    names = _bn_names(model)
+    assert (len(names), report.num_removed, report.num_kept) == (121, 61, 60)
+    first_layers = {f"conv{s}_block1_1_bn" for s in range(2, 6)}
+    dense_input = {n for n in names if n.endswith("_0_bn") and "_block1_" not in n}
+    transitions = {"pool2_bn", "pool3_bn", "pool4_bn"}
+    assert len(dense_input) == 54
+    assert report.removed == {
+        n: "dense-first-layer" if n in first_layers else "dense-input"
+        for n in names if n in first_layers | dense_input | transitions
+    }
+    assert {"conv1_bn", "bn"} <= set(report.kept)
+    _assert_same_function_without_removed_bns(model, lean)
+
+
+# ------------------------------------------------------------------ validation
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_subclassed_model_is_rejected():
+    model = _Subclassed()
+    model(np.ones((1, 3), np.float32))
+    with pytest.raises(TypeError, match="LessBN needs a functional or Sequential model"):
+        LessBN(model)
+
+
+@pytest.mark.parametrize("not_a_model", [keras.layers.Dense(2), "resnet50", None])
+def test_non_model_is_rejected(not_a_model):
+    with pytest.raises(TypeError, match="`model` must be a keras.Model"):
+        LessBN(not_a_model)
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+def test_fn_flag_must_be_bool(flag):
+    with pytest.raises(TypeError, match="`fn_flag` must be a bool"):
+        LessBN(residual_cnn(), fn_flag=flag)
+
+
+def test_unbuilt_sequential_is_rejected():
+    with pytest.raises(ValueError, match="has no defined input"):
+        LessBN(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_fn_flag_without_dense_output_is_rejected():
+    inputs = keras.Input((4, 4, 3))
+    model = keras.Model(inputs, keras.layers.Conv2D(2, 1)(inputs))
+    with pytest.raises(ValueError, match="fn_flag=True needs a Dense layer"):
+        LessBN(model, fn_flag=True)

@@ -1,0 +1,31 @@
+"""BoostModel on 2 real Horovod workers (Gloo and MPI), launched with horovodrun."""
+
+import time
+
+import pytest
+
+from tests.launch import horovodrun, run_ok
+
+CONTROLLERS = ["gloo", "mpi"]
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_two_workers_equal_one_process_with_twice_the_batch(controller):
+    found = run_ok("train_equivalence.py", np=2, controller=controller)
+    for rank in (0, 1):
+        assert found[rank]["diff"] < 1e-5, found[rank]
+    assert found[0]["digest"] == found[1]["digest"]  # bit-identical weights on every rank
+    assert found[0]["history"] == found[1]["history"]
+    assert found[0]["evaluation"] == found[1]["evaluation"]
+    # 256 samples / (2 x 16) = 8 updates per epoch, one fused allreduce each
+    assert found[0]["iterations"] == 16
+    assert found[0]["collectives"] == 16
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_a_failing_worker_ends_the_run(controller):
+    start = time.monotonic()
+    completed = horovodrun("fail_on_rank.py", np=2, controller=controller, timeout=180)
+    assert completed.returncode != 0
+    assert "injected failure on rank 1" in completed.stdout
+    assert time.monotonic() - start < 180

@@ -1,0 +1,25 @@
+"""Rank 1 raises in the middle of training; rank 0 would wait for it in the allreduce."""
+
+from common import report  # noqa: F401
+
+import keras
+
+from keras_boost import BoostModel, distributed
+from tests.helpers import classification_data, compile_sgd, mlp
+
+
+class FailOnRankOne(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3 and distributed.rank() == 1:
+            raise RuntimeError("injected failure on rank 1")
+
+
+def main():
+    distributed.init()
+    x, y = classification_data(n=512)
+    model = compile_sgd(mlp(BoostModel))
+    model.fit(x, y, batch_size=8, epochs=20, verbose=0, callbacks=[FailOnRankOne()])
+
+
+if __name__ == "__main__":
+    main()

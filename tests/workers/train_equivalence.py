@@ -1,0 +1,53 @@
+"""2 workers with batch b against 1 process (plain Keras) with batch 2b, on the same data.
+
+Prints per rank: the largest weight difference to the reference, a hash of the weights
+and the epoch logs of fit and evaluate.
+"""
+
+import hashlib
+import sys
+
+from common import report
+
+import keras
+import numpy as np
+
+from keras_boost import BoostModel, distributed
+from tests.helpers import classification_data, compile_sgd, max_diff, mlp, weights
+
+ACCUMULATION = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+
+
+def interleave_shard(x, per_worker, rank, size):
+    """Rank r's rows of each global batch of size*per_worker, so the workers' batches
+    together form exactly the reference's batch."""
+    global_batch = per_worker * size
+    batches = [x[i:i + global_batch] for i in range(0, len(x), global_batch)]
+    return np.concatenate([b[rank * per_worker:(rank + 1) * per_worker] for b in batches])
+
+
+def main():
+    distributed.init()
+    rank, size = distributed.rank(), distributed.size()
+    x, y = classification_data(n=256)
+    per_worker = 16
+    reference_batch = per_worker * size * ACCUMULATION
+
+    reference = compile_sgd(mlp(keras.Model, seed=0))
+    reference.fit(x, y, batch_size=reference_batch, epochs=2, shuffle=False, verbose=0)
+
+    model = compile_sgd(mlp(BoostModel, seed=rank + 7), gradient_accumulation=ACCUMULATION)  # start apart
+    xs, ys = (interleave_shard(a, per_worker * ACCUMULATION, rank, size) for a in (x, y))
+    # within one accumulation window the micro-batches of a worker are consecutive rows
+    model.set_weights(mlp(keras.Model, seed=0).get_weights()) if rank == 0 else None
+    history = model.fit(xs, ys, batch_size=per_worker, epochs=2, shuffle=False, verbose=0)
+    evaluation = model.evaluate(xs, ys, batch_size=32, verbose=0, return_dict=True)
+    digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
+    report(rank, diff=max_diff(weights(reference), weights(model)), digest=digest,
+           history={k: [float(v) for v in vs] for k, vs in history.history.items()},
+           evaluation={k: float(v) for k, v in evaluation.items()},
+           collectives=distributed.allreduce_count(), iterations=int(model.optimizer.iterations.numpy()))
+
+
+if __name__ == "__main__":
+    main()
