@@ -120,9 +120,10 @@ def gc_variables(model):
 
     Example:
 
-    >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3)])
+    >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv")],
+    ...                          name="net")
     >>> [v.path for v in gc_variables(model)]
-    ['conv2d/kernel']
+    ['net/conv/kernel']
     """
     if not isinstance(model, _L.Layer):
         raise TypeError(f"`model` must be a Keras layer or model, got {type(model).__name__}.")

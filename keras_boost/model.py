@@ -13,7 +13,7 @@ from keras_boost.step import BoostTrainOneStep
 
 def _loss_scale_option(loss_scale):
     """`compile(loss_scale=...)`: None/"auto", "dynamic", a number, a tensor or a stage."""
-    if loss_scale is None or loss_scale == "auto":
+    if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "auto"):
         policy = keras.config.dtype_policy().name
         return DynamicLossScale() if policy == "mixed_float16" else None
     if isinstance(loss_scale, str):

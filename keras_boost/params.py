@@ -28,10 +28,10 @@ class OptimizerProcess:
     Example:
 
     >>> process = OptimizerProcess(keras.optimizers.SGD(0.1, momentum=0.9))
-    >>> model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16)])
+    >>> model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16, name="fc")], name="net")
     >>> stage = process.add_grad_centralization(model)
     >>> [v.path for v in process.gc_variables]
-    ['dense/kernel']
+    ['net/fc/kernel']
     >>> type(process.generate_new_optimizer()).__name__
     'SGD'
     """
@@ -117,10 +117,12 @@ class ParameterProcess:
 
     Example:
 
-    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    >>> inputs = keras.Input((8,))
+    >>> hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    >>> model = keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
     >>> groups = ParameterProcess.assign_parameter_group(model.trainable_variables)
     >>> [[v.path for v in group] for group in groups]
-    [['dense/kernel', 'dense/bias'], ['dense_1/kernel', 'dense_1/bias']]
+    [['hidden/kernel', 'hidden/bias'], ['out/kernel', 'out/bias']]
     """
 
     @staticmethod

@@ -306,7 +306,7 @@ def test_non_model_is_rejected(not_a_model):
 @pytest.mark.parametrize("flag", [1, "yes", None])
 def test_fn_flag_must_be_bool(flag):
     with pytest.raises(TypeError, match="`fn_flag` must be a bool"):
-        LessBN(residual_cnn(), fn_flag=flag)
+        LessBN(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), fn_flag=flag)
 
 
 def test_unbuilt_sequential_is_rejected():

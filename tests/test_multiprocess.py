@@ -29,3 +29,15 @@ def test_a_failing_worker_ends_the_run(controller):
     assert completed.returncode != 0
     assert "injected failure on rank 1" in completed.stdout
     assert time.monotonic() - start < 180
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_overflow_on_one_worker_is_an_overflow_on_all(controller):
+    found = run_ok("overflow_on_one_rank.py", np=2, controller=controller)
+    for rank in (0, 1):
+        # step 2 of the loop is rank 1's poisoned batch (its third batch)
+        assert found[rank]["overflows"] == [0, 1, 0, 0, 0, 0, 0], found[rank]
+        assert found[rank]["iterations"] == [2, 2, 3, 4, 5, 6, 7]
+        assert found[rank]["scales"] == [1024.0, 512.0, 512.0, 512.0, 1024.0, 1024.0, 1024.0]
+        assert found[rank]["finite"]
+    assert found[0]["digest"] == found[1]["digest"]
