@@ -2,8 +2,13 @@
 
 from keras_boost import callbacks, distributed
 from keras_boost.accumulation import GradientAccumulation
+from keras_boost.centralization import GradientCentralization
+from keras_boost.freeze import FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence, split_parameters_groups
+from keras_boost.layers import FNHead
+from keras_boost.less_bn import LessBN
 from keras_boost.loss_scale import DynamicLossScale, FixedLossScale
 from keras_boost.model import BoostModel
+from keras_boost.params import OptimizerProcess, ParameterProcess
 from keras_boost.state import BoostState
 from keras_boost.step import BoostTrainOneStep, BoostTrainOneStepWithLossScale
 
@@ -11,6 +16,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BoostModel",
+    "FNHead",
+    "FreezeOpt",
+    "GradientCentralization",
+    "GradientFreeze",
+    "LessBN",
+    "OptimizerProcess",
+    "ParameterProcess",
+    "freeze_cell",
+    "generate_freeze_index_sequence",
+    "split_parameters_groups",
     "BoostState",
     "BoostTrainOneStep",
     "BoostTrainOneStepWithLossScale",

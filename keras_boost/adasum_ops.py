@@ -171,9 +171,9 @@ def exact_adasum_allreduce(tensors, process_set=None, eps=0.0):
     """AdaSum of each tensor across workers, computed identically on every worker.
 
     Each worker's tensors are flattened into one buffer per dtype and gathered with a
-    single `distributed.allgather`; every worker then applies `adasum_tree` to the
-    gathered rows in rank order, so all workers get bit-identical results. Runs under
-    Gloo and MPI and for any worker count. Usable inside `tf.function`.
+    single `distributed.allgather`; every worker then applies the `adasum_tree` rule to
+    the gathered rows in rank order, so all workers get bit-identical results. Runs
+    under Gloo and MPI and for any worker count. Usable inside `tf.function`.
 
     Args:
         tensors: list of tensors with static shapes (e.g. weight deltas).

@@ -30,8 +30,10 @@ apply to any functional or Sequential model. A BatchNormalization (BN) call is r
    max-pool; the rule here also covers the first layer after each transition, so
    every dense layer loses exactly one BN.
 
-The stem BN, the BN every other BN depends on, is never removed. A layer called more
-than once is removed only when every one of its calls is marked.
+The stem BN, the BN every other BN depends on, is never removed, so a network never
+loses its first normalisation. A layer called more than once is removed only when
+every one of its calls is marked. A nested model is one opaque layer: it is copied
+whole, BNs included.
 
 With `fn_flag=True`, every Dense layer that produces a model output (directly or
 through activation layers) becomes an `FNHead` initialised from its kernel; its bias
@@ -39,13 +41,14 @@ is dropped as in MindSpore, and a non-linear activation is kept as an `Activatio
 layer after the head.
 
 The input model is never changed: kept layers are fresh copies (same class, config,
-name and weights) so training the result leaves the input alone. The result is
+name, weights and variable paths) so training the result leaves the input alone. The result is
 uncompiled; it has the input model's class when that class can be built from
 `(inputs, outputs, name=...)`, otherwise it is a plain functional `keras.Model`
 (always for Sequential inputs). A model with nothing to remove comes back as such a
 copy of the same graph, with a warning.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -144,7 +147,8 @@ def LessBN(model, fn_flag=False):  # noqa: N802 - the seed's name
     removed_nodes = _plan_removals(graph)
     removed_layers = _removed_layers(graph, removed_nodes)
     heads = _head_denses(graph, model.name) if fn_flag else []
-    clone = _rebuild(view, removed_layers, heads)
+    with _variable_scope(model):
+        clone = _rebuild(view, removed_layers, heads)
     result = _with_class_of(model, clone)
     result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
@@ -155,6 +159,13 @@ def LessBN(model, fn_flag=False):  # noqa: N802 - the seed's name
             stacklevel=2,
         )
     return result
+
+
+def _variable_scope(model):
+    """The name scope keeping every variable path: Sequential models build under their name."""
+    if isinstance(model, keras.Sequential):
+        return keras.name_scope(model.name)
+    return contextlib.nullcontext()
 
 
 def _graph_view(model):

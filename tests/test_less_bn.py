@@ -68,6 +68,14 @@ def _assert_kept_weights_equal(model, lean):
             assert all(np.array_equal(a, b) for a, b in zip(layer.get_weights(), original)), layer.name
 
 
+def _paths(model):
+    return {v.path for v in model.weights}
+
+
+def _removed_paths(model, lean):
+    return {v.path for name in lean.less_bn_report.removed for v in model.get_layer(name).weights}
+
+
 def _train_one_step(model):
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(1).normal(size=(4,) + tuple(model.input.shape[1:])).astype(np.float32)
@@ -94,6 +102,7 @@ def test_residual_cnn_result_computes_the_graph_without_removed_bns():
     model = residual_cnn()
     lean = LessBN(model)
     assert sorted(_bn_names(lean)) == sorted(lean.less_bn_report.kept)
+    assert _paths(lean) == _paths(model) - _removed_paths(model, lean)
     assert not any(isinstance(layer, BN) for layer in lean.layers if layer.name in lean.less_bn_report.removed)
     _assert_kept_weights_equal(model, lean)
     x = np.random.default_rng(2).normal(size=(2, 16, 16, 3)).astype(np.float32)
@@ -131,6 +140,15 @@ def test_fn_flag_replaces_the_output_dense_and_keeps_its_activation():
     np.testing.assert_allclose(lean(x), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_result_with_fn_head_survives_a_keras_file_round_trip(tmp_path):
+    lean = LessBN(residual_cnn(activation="softmax"), fn_flag=True)
+    lean.save(tmp_path / "lean.keras")
+    loaded = keras.models.load_model(tmp_path / "lean.keras")
+    x = np.random.default_rng(5).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    assert isinstance(loaded.get_layer("logits"), FNHead)
+    assert np.array_equal(loaded(x), lean(x))
+
+
 def test_linear_dense_head_gets_no_activation_layer():
     lean = LessBN(residual_cnn(), fn_flag=True)
     assert isinstance(lean.layers[-1], FNHead)
@@ -160,6 +178,14 @@ def test_stem_bn_is_never_removed():
     assert report.kept == ("first_bn", "last_bn")
 
 
+def test_plain_network_keeps_its_only_bn():
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv"),
+                              BN(name="only_bn"), keras.layers.ReLU(),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+    with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove"):
+        assert LessBN(model).less_bn_report.kept == ("only_bn",)
+
+
 # ------------------------------------------------------------------ Sequential models
 
 def test_sequential_inverted_block_loses_expansion_and_head_bns():
@@ -184,6 +210,8 @@ def test_sequential_inverted_block_loses_expansion_and_head_bns():
     assert lean.less_bn_report.kept == ("stem_bn", "depthwise_bn")
     assert type(lean) is not keras.Sequential and isinstance(lean, keras.Model)
     assert isinstance(lean.get_layer("classifier"), FNHead)
+    assert _paths(lean) == _paths(model) - _removed_paths(model, lean) - {"inverted/classifier/bias"} | {
+        "inverted/classifier/multiplier"}
     _train_one_step(lean)
 
 
