@@ -2,6 +2,7 @@
 
 from keras_boost import callbacks, distributed
 from keras_boost.accumulation import GradientAccumulation
+from keras_boost.adasum import AdaSum
 from keras_boost.centralization import GradientCentralization
 from keras_boost.freeze import FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence, split_parameters_groups
 from keras_boost.layers import FNHead
@@ -15,6 +16,7 @@ from keras_boost.step import BoostTrainOneStep, BoostTrainOneStepWithLossScale
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaSum",
     "BoostModel",
     "FNHead",
     "FreezeOpt",

@@ -164,7 +164,10 @@ class BoostTrainOneStep:
         if self.loss_scale is None:
             self._apply(grads, variables)
         else:
-            skip = self.loss_scale.update(all_finite(grads))
+            finite = all_finite(grads)
+            if self.adasum is not None:  # gradients were reduced inside the group only
+                finite = self.adasum.all_agree(finite)
+            skip = self.loss_scale.update(finite)
             tf.cond(skip, tf.no_op, lambda: self._apply(grads, variables))
         if self.freeze is not None:
             self.freeze.advance()

@@ -1,0 +1,162 @@
+"""AdaSum as a stage of the boost step: adaptive summation of the workers' weight deltas.
+
+The seed's hierarchical AdaSum (Maleki et al., MLSys 2021): workers form groups of
+`device_number` (a node); gradients are averaged inside each group; every worker takes a
+normal local optimizer step; the weight deltas `old - new` are combined across groups
+with the recursive pairwise AdaSum rule, per tensor; the new weights are
+`old - combined delta`. With one group this is ordinary averaging, with one worker a
+plain step.
+
+The combine runs on Horovod's native `op=hvd.Adasum` where Horovod can (an MPI launch, a
+power-of-two number of groups, and groups that are contiguous power-of-two blocks of
+ranks or single workers: inside a group the deltas are identical and AdaSum(a, a) = a),
+and on the exact keras_boost implementation of the same tree everywhere else (Gloo,
+other group counts). See `keras_boost.adasum_ops` and docs/adasum.md.
+
+The old weights are read inside the step just before the local update, so AdaSum keeps
+no state between steps that a checkpoint would have to carry.
+"""
+
+import logging
+import numbers
+
+import tensorflow as tf
+
+from keras_boost import adasum_ops, distributed
+
+logger = logging.getLogger("keras_boost")
+
+
+def _power_of_two(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_optional_int(name, value, minimum):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer or None, got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class AdaSum:
+    """Combines the workers' weight deltas by Adaptive Summation (the seed's `AdaSum`).
+
+    Args:
+        rank: this worker's rank; default: Horovod's. Must match it when given.
+        device_number: workers per group (per node); default: the workers on this host
+            (`local_size`). On a single machine pass 1 to combine every worker adaptively.
+            Must divide the number of workers.
+        group_number: number of groups; default `size // device_number`. Must equal it
+            when given.
+        parameter_tuple: the variables combined by `__call__`; the boost step passes the
+            trained variables itself.
+        backend: "auto" (native Horovod Adasum where it can run, exact fallback
+            elsewhere), "native" or "exact".
+
+    Example:
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+        ...               adasum=keras_boost.AdaSum(device_number=1))
+    """
+
+    def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto"):
+        self.rank = _check_optional_int("rank", rank, 0)
+        self.device_number = _check_optional_int("device_number", device_number, 1)
+        self.group_number = _check_optional_int("group_number", group_number, 1)
+        if backend not in adasum_ops.BACKENDS:
+            raise ValueError(f"backend must be one of {adasum_ops.BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.parameter_tuple = tuple(parameter_tuple) if parameter_tuple is not None else None
+        self.built = False
+        if distributed.launched():
+            self._resolve_topology()
+
+    # ------------------------------------------------------------- topology
+    def _resolve_topology(self):
+        size, rank = distributed.size(), distributed.rank()
+        device_number = self.device_number or distributed.local_size()
+        if size % device_number:
+            raise ValueError(f"device_number ({device_number}) must divide the number of workers ({size})")
+        groups = size // device_number
+        if self.group_number is not None and self.group_number != groups:
+            raise ValueError(f"group_number ({self.group_number}) must equal workers / device_number = {groups}")
+        if self.rank is not None and self.rank != rank:
+            raise ValueError(f"rank ({self.rank}) is not this worker's rank ({rank})")
+        self.topology = (size, rank, device_number, groups)
+        return self.topology
+
+    def build(self, state, variables):
+        """Registers the Horovod process sets (the same calls, in the same order, on every worker)."""
+        del state  # AdaSum keeps no state between steps
+        if self.built:
+            return
+        size, rank, device_number, groups = self._resolve_topology()
+        self.inner_set = self.outer_set = None
+        if size == 1:
+            logger.info("AdaSum in a single process: every step is a plain optimizer step")
+        if groups > 1 and device_number > 1:
+            inner = [distributed.add_process_set(range(g * device_number, (g + 1) * device_number))
+                     for g in range(groups)]
+            self.inner_set = inner[rank // device_number]
+        self.combine_backend = self._choose_backend(groups, device_number)
+        if groups > 1 and device_number > 1 and self.combine_backend == adasum_ops.EXACT:
+            outer = [distributed.add_process_set(range(local, size, device_number)) for local in range(device_number)]
+            self.outer_set = outer[rank % device_number]
+        self.groups = groups
+        self.parameter_tuple = self.parameter_tuple or tuple(variables)
+        self.built = True
+
+    def _choose_backend(self, groups, device_number):
+        if groups == 1:
+            return None
+        native_possible = distributed.native_adasum_available(groups) and _power_of_two(device_number)
+        if self.backend == adasum_ops.NATIVE and not native_possible:
+            raise ValueError(
+                "backend='native' needs an MPI launch, a power-of-two number of groups and a power-of-two "
+                f"device_number; this run has {groups} groups of {device_number} on "
+                f"{distributed.capabilities()['controller']}"
+            )
+        if self.backend == adasum_ops.EXACT or not native_possible:
+            return adasum_ops.EXACT
+        return adasum_ops.NATIVE
+
+    # --------------------------------------------------------------- stage
+    def reduce_gradients(self, grads):
+        """Averages the gradients inside this worker's group (all workers when there is one group)."""
+        if distributed.size() == 1 or (self.groups > 1 and self.inner_set is None):
+            return grads
+        return distributed.grouped_allreduce(grads, average=True, process_set=self.inner_set)
+
+    def all_agree(self, flag):
+        """True on every worker only if `flag` is true on every worker (one scalar allreduce)."""
+        if self.groups == 1:
+            return flag  # the gradients were averaged over everyone already
+        agreed = distributed.allreduce(tf.cast(flag, tf.float32), average=True)
+        return tf.equal(agreed, 1.0)
+
+    def apply(self, optimizer, grads, variables):
+        """Local optimizer step, then the weights become `old - AdaSum(old - new)` across groups."""
+        if self.groups == 1:
+            optimizer.apply(grads, variables)
+            return
+        old = [tf.identity(v.value) for v in variables]
+        with tf.control_dependencies(old):
+            optimizer.apply(grads, variables)
+        self(
+            [o - v.value for o, v in zip(old, variables)],
+            variables,
+            old,
+        )
+
+    def __call__(self, delta_weights, parameters, old_parameters):
+        """The seed's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
+        combined = adasum_ops.combine(list(delta_weights), backend=self.combine_backend,
+                                      process_set=self.outer_set)
+        for variable, old, delta in zip(parameters, old_parameters, combined):
+            variable.assign(old - delta)
+        return parameters
+
+    def get_config(self):
+        return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend}
