@@ -4,10 +4,14 @@ import keras
 
 from keras_boost.model import BoostModel
 
+# MindSpore's BatchNorm default; Keras' 0.99 leaves the moving statistics far from the
+# batch statistics after the few hundred steps of a short run.
+BN_MOMENTUM = 0.9
+
 
 def _conv_bn(x, filters, stride, name, relu=True):
     x = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False, name=f"{name}_conv")(x)
-    x = keras.layers.BatchNormalization(name=f"{name}_bn")(x)
+    x = keras.layers.BatchNormalization(momentum=BN_MOMENTUM, name=f"{name}_bn")(x)
     return keras.layers.ReLU(name=f"{name}_relu")(x) if relu else x
 
 
@@ -17,7 +21,7 @@ def _basic_block(x, filters, stride, name):
     y = _conv_bn(y, filters, 1, f"{name}_2", relu=False)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False, name=f"{name}_proj_conv")(x)
-        shortcut = keras.layers.BatchNormalization(name=f"{name}_proj_bn")(shortcut)
+        shortcut = keras.layers.BatchNormalization(momentum=BN_MOMENTUM, name=f"{name}_proj_bn")(shortcut)
     y = keras.layers.Add(name=f"{name}_add")([y, shortcut])
     return keras.layers.ReLU(name=f"{name}_out")(y)
 
