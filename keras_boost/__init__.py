@@ -3,6 +3,7 @@
 from keras_boost import callbacks, distributed
 from keras_boost.accumulation import GradientAccumulation
 from keras_boost.adasum import AdaSum
+from keras_boost.auto_boost import AutoBoost
 from keras_boost.centralization import GradientCentralization
 from keras_boost.freeze import FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence, split_parameters_groups
 from keras_boost.layers import FNHead
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaSum",
+    "AutoBoost",
     "BoostModel",
     "FNHead",
     "FreezeOpt",

@@ -48,6 +48,14 @@ class BoostModel(keras.Model):
         gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
         gradient_centralization: True, or a `GradientCentralization`.
         adasum: True, or an `AdaSum` stage.
+        gradient_split_groups: None (one fused allreduce per update) or increasing indices
+            into `trainable_variables` at which to start a new fused allreduce (the seed's
+            `gradient_split_groups` / `ParameterProcess` fusion groups).
+
+    Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`):
+        the level's LessBN rewrite is applied to the graph when the model is built, and
+        its other stages are switched on by `compile` (explicit compile options win).
+        See `keras_boost.AutoBoost`.
 
     Example:
         >>> inputs = keras.Input((28, 28, 1))
@@ -65,31 +73,51 @@ class BoostModel(keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, boost_level=None, boost_config=None, **kwargs):
+        auto_boost = None
+        if boost_level is not None or boost_config is not None:
+            from keras_boost.auto_boost import AutoBoost
+
+            auto_boost = AutoBoost(boost_level or "O0", boost_config)
         if isinstance(self, Functional):
             Trainer.__init__(self)
+            args, kwargs, report = _rewritten_graph(auto_boost, args, kwargs)
             Functional.__init__(self, *args, **kwargs)
+            self.less_bn_report = report
+        elif auto_boost is not None and auto_boost.enabled("less_bn"):
+            raise TypeError("boost levels with LessBN rewrite the layer graph: build the BoostModel functionally "
+                            "(BoostModel(inputs, outputs, boost_level=...)), or use boost_level only at compile "
+                            "with less_bn switched off")
         else:
             super().__init__(*args, **kwargs)
         self.boost_state = BoostState()
         self.boost_step = None
+        self.auto_boost = auto_boost
 
     # --------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
-                gradient_freeze=None, gradient_centralization=None, adasum=None, **kwargs):
+                gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
+                **kwargs):
         from keras_boost import stages
 
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        given = {"gradient_accumulation": gradient_accumulation, "gradient_freeze": gradient_freeze,
+                 "gradient_centralization": gradient_centralization, "adasum": adasum,
+                 "gradient_split_groups": gradient_split_groups}
+        if self.auto_boost is not None:  # the level's stages, unless given explicitly
+            for name, value in self.auto_boost.compile_options(self).items():
+                given[name] = value if given[name] is None else given[name]
         self.boost_step = BoostTrainOneStep(
             self,
             self.optimizer,
             sens=sens,
             loss_scale=_loss_scale_option(loss_scale),
-            gradient_accumulation=stages.accumulation_option(gradient_accumulation),
-            gradient_freeze=stages.freeze_option(gradient_freeze),
-            gradient_centralization=stages.centralization_option(gradient_centralization, self),
-            adasum=stages.adasum_option(adasum),
+            gradient_accumulation=stages.accumulation_option(given["gradient_accumulation"]),
+            gradient_freeze=stages.freeze_option(given["gradient_freeze"]),
+            gradient_centralization=stages.centralization_option(given["gradient_centralization"], self),
+            adasum=stages.adasum_option(given["adasum"]),
+            gradient_split_groups=given["gradient_split_groups"],
         )
         if self.built:
             self.boost_step.build(self.boost_state)
@@ -137,6 +165,19 @@ class BoostModel(keras.Model):
         result = dict(super()._get_metrics_result_or_logs(metrics))
         result.update({k: v for k, v in logs.items() if k in boost_keys})
         return result
+
+
+def _rewritten_graph(auto_boost, args, kwargs):
+    """The functional (inputs, outputs) after the level's LessBN rewrite, and its report."""
+    if auto_boost is None or not auto_boost.enabled("less_bn"):
+        return args, kwargs, None
+    from keras_boost.less_bn import LessBN
+
+    kwargs = dict(kwargs)
+    inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
+    outputs = kwargs.pop("outputs") if "outputs" in kwargs else args[1]
+    rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"])
+    return (rewritten.inputs, rewritten.outputs, *args[2:]), kwargs, rewritten.less_bn_report
 
 
 _FUNCTIONAL_VARIANTS = {}

@@ -37,6 +37,17 @@ def check_sens(sens):
     return float(sens)
 
 
+def _check_split_points(points):
+    if points is None:
+        return []
+    if not isinstance(points, (list, tuple)) or not all(
+            isinstance(p, numbers.Integral) and not isinstance(p, bool) and p > 0 for p in points):
+        raise ValueError(f"gradient_split_groups must be None or a list of positive integers, got {points!r}")
+    if list(points) != sorted(set(points)):
+        raise ValueError(f"gradient_split_groups must be strictly increasing, got {list(points)}")
+    return [int(p) for p in points]
+
+
 class BoostTrainOneStep:
     """Runs one boost training step of `model` with `optimizer` (the seed's BoostTrainOneStepCell).
 
@@ -51,6 +62,8 @@ class BoostTrainOneStep:
         gradient_freeze: a `FreezeSchedule` stage or None.
         gradient_centralization: a `GradientCentralization` stage or None.
         adasum: an `AdaSum` stage or None.
+        gradient_split_groups: increasing variable indices at which a new fused
+            allreduce starts, or None for one fused allreduce of all gradients.
 
     Example:
         >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1))
@@ -58,7 +71,7 @@ class BoostTrainOneStep:
     """
 
     def __init__(self, model, optimizer, sens=1.0, *, loss_scale=None, gradient_accumulation=None,
-                 gradient_freeze=None, gradient_centralization=None, adasum=None):
+                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None):
         if not isinstance(model, keras.Model):
             raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -73,6 +86,7 @@ class BoostTrainOneStep:
         self.freeze = gradient_freeze
         self.centralization = gradient_centralization
         self.adasum = adasum
+        self.split_points = _check_split_points(gradient_split_groups)
         self.built = False
 
     # ----------------------------------------------------------------- build
@@ -159,7 +173,7 @@ class BoostTrainOneStep:
 
     def _update(self, grads, indices):
         """Communicates once, decides overflow for all workers, applies, updates stage state."""
-        grads = self._reduce(grads)
+        grads = self._reduce(grads, indices)
         variables = [self._variables[i] for i in indices]
         if self.loss_scale is None:
             self._apply(grads, variables)
@@ -172,12 +186,19 @@ class BoostTrainOneStep:
         if self.freeze is not None:
             self.freeze.advance()
 
-    def _reduce(self, grads):
+    def _reduce(self, grads, indices):
         if self.adasum is not None:
             return self.adasum.reduce_gradients(grads)
         if distributed.size() == 1:
             return grads
-        return distributed.grouped_allreduce(grads, average=True)
+        buckets = {}
+        for position, index in enumerate(indices):
+            buckets.setdefault(int(np.searchsorted(self.split_points, index, side="right")), []).append(position)
+        reduced = [None] * len(grads)
+        for positions in buckets.values():
+            for position, g in zip(positions, distributed.grouped_allreduce([grads[p] for p in positions])):
+                reduced[position] = g
+        return reduced
 
     def _apply(self, grads, variables):
         if self.centralization is not None:
