@@ -91,40 +91,72 @@ def _train(args, argv):
     return 0
 
 
+def _bench(args, argv):
+    from keras_boost import distributed
+
+    if args.np > 1 and not distributed.launched():
+        return _relaunch(args, argv)
+    from keras_boost.bench import run_bench
+
+    table = run_bench(args)
+    if distributed.rank() == 0:
+        print(table)
+        print(f"table: {args.table}\nplot: {args.plot}")
+    return 0
+
+
+def _add_training_options(parser, epochs):
+    from keras_boost.training import DATASETS, MODELS
+
+    parser.add_argument("--model", default="demo", choices=MODELS, help="demo (residual CNN) or a keras.applications "
+                        "family (trained from scratch on 32x32x3 copies of the images)")
+    parser.add_argument("--dataset", default="fashion_mnist", choices=DATASETS,
+                        help="fashion_mnist (Debian package dataset-fashion-mnist) or synthetic")
+    parser.add_argument("--epochs", type=_positive_int, default=epochs)
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="per-worker batch size")
+    parser.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate of SGD, momentum 0.9")
+    parser.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="limit batches per epoch")
+    parser.add_argument("--train-samples", type=_positive_int, default=None, help="use the first N training samples")
+    parser.add_argument("--config", default=None, help="boost configuration JSON file (AutoBoost sections and keys)")
+    parser.add_argument("--accumulation", type=_positive_int, default=1, help="micro-batches per update")
+    parser.add_argument("--loss-scale", choices=["none", "dynamic"], default="none")
+    parser.add_argument("--precision", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32")
+    parser.add_argument("--np", type=_positive_int, default=1, help="workers; > 1 launches horovodrun itself")
+    parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-boost",
         description="Boosted Keras training on Horovod. Start with `keras-boost info`, then "
-        "`keras-boost train --np 2` to train the demo model on Fashion-MNIST on 2 workers.",
+        "`keras-boost train --np 2 --level O1` to train the demo model on Fashion-MNIST on 2 workers, "
+        "and `keras-boost bench` to compare the levels O0/O1/O2 side by side.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, Horovod build features, AdaSum backend, world size")
     info.add_argument("--json", action="store_true", help="print one JSON object")
 
-    train = sub.add_parser("train", help="train a model on a dataset with boost options")
-    train.add_argument("--model", default="demo", choices=["demo"], help="model to train (default: demo)")
-    train.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "synthetic"])
-    train.add_argument("--epochs", type=_positive_int, default=2)
-    train.add_argument("--batch-size", type=_positive_int, default=64, help="per-worker batch size")
-    train.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate (SGD with momentum 0.9)")
-    train.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="limit batches per epoch")
-    train.add_argument("--train-samples", type=_positive_int, default=None, help="use the first N training samples")
-    train.add_argument("--accumulation", type=_positive_int, default=1, help="micro-batches per update")
-    train.add_argument("--loss-scale", choices=["none", "dynamic"], default="none")
-    train.add_argument("--precision", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32")
-    train.add_argument("--np", type=_positive_int, default=1, help="workers; >1 launches horovodrun itself")
-    train.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np")
-    train.add_argument("--seed", type=int, default=0)
+    train = sub.add_parser("train", help="train a model on a dataset at a boost level")
+    _add_training_options(train, epochs=2)
+    train.add_argument("--level", choices=["O0", "O1", "O2"], default="O0", help="boost level (default O0)")
+    train.add_argument("--checkpoint-dir", default=None, help="save weights there every epoch (rank 0) and resume "
+                       "from them when present")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    bench = sub.add_parser("bench", help="train at several levels side by side; write a Markdown table and a PNG")
+    _add_training_options(bench, epochs=3)
+    bench.add_argument("--levels", nargs="+", choices=["O0", "O1", "O2"], default=["O0", "O1", "O2"])
+    bench.add_argument("--table", default="bench.md", help="Markdown table output (default bench.md)")
+    bench.add_argument("--plot", default="bench.png", help="PNG plot of test accuracy against wall time")
     return parser
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command == "info":
-        return _info(args)
-    return _train(args, argv)
+    commands = {"info": lambda: _info(args), "train": lambda: _train(args, argv), "bench": lambda: _bench(args, argv)}
+    return commands[args.command]()
 
 
 if __name__ == "__main__":

@@ -548,6 +548,15 @@ class FreezeSchedule:
         freeze_opt = self.source
         if isinstance(freeze_opt, GradientFreeze):
             _, freeze_opt = freeze_opt.freeze_generate(model, optimizer)
+        elif freeze_opt.optimizer is not optimizer:
+            # The step applies every update with its own optimizer; a different one here
+            # would be silently ignored, with its learning rate and state.
+            raise ValueError(
+                "The optimizer of `gradient_freeze` (a FreezeOpt) must be the optimizer the "
+                f"model is compiled with: got {type(freeze_opt.optimizer).__name__} "
+                f"{freeze_opt.optimizer.name!r}, but the model uses {type(optimizer).__name__} "
+                f"{optimizer.name!r}. Pass the same instance to compile(optimizer=...)."
+            )
         self.plan = freeze_cell(model, freeze_opt)
         self.position = state.add_state("freeze/position", 0, "int64")
         self.last_group = state.add_state("freeze/group", 0, "int32")

@@ -40,10 +40,12 @@ class LossScale:
     def __init__(self):
         self.scale = None
         self.last_overflow = None
+        self.overflow_count = None
 
     def build(self, state):
         """Creates this stage's variables in `state` (a `BoostState` layer)."""
         self.last_overflow = state.add_state("loss_scale/last_overflow", 0, "int32")
+        self.overflow_count = state.add_state("loss_scale/overflow_count", 0, "int64")
 
     def scale_loss(self, loss):
         return loss * tf.cast(self.scale, loss.dtype)
@@ -56,6 +58,7 @@ class LossScale:
         """Records the (already global) finiteness of this update; returns whether to skip it."""
         overflow = tf.logical_not(finite)
         self.last_overflow.assign(tf.cast(overflow, tf.int32))
+        self.overflow_count.assign_add(tf.cast(overflow, tf.int64))
         self._adapt(finite)
         return tf.logical_and(overflow, self.drop_overflow_update)
 

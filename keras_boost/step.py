@@ -201,6 +201,9 @@ class BoostTrainOneStep:
         return reduced
 
     def _apply(self, grads, variables):
+        # Keras' TF optimizer passes the gradients through a custom_gradient that wants them
+        # all from one graph; inside a cond some would otherwise be captures of the outer graph.
+        grads = [tf.identity(g) for g in grads]
         if self.centralization is not None:
             grads = self.centralization.apply(grads, variables)
         if self.adasum is not None:

@@ -1,12 +1,27 @@
-"""The training recipe behind `keras-boost train`: data, model, boost options, fit, evaluate."""
+"""The recipes behind `keras-boost train` and `keras-boost bench`: data, model, level, fit."""
 
+import json
+import os
 import time
 
 import keras
 import numpy as np
 
 from keras_boost import data, distributed
+from keras_boost.auto_boost import AutoBoost
+from keras_boost.callbacks import rank_zero_only
+from keras_boost.model import BoostModel
 from keras_boost.models import demo_resnet
+
+APPLICATIONS = {
+    "resnet50": "ResNet50",
+    "resnet101": "ResNet101",
+    "resnet50v2": "ResNet50V2",
+    "mobilenetv2": "MobileNetV2",
+    "densenet121": "DenseNet121",
+}
+MODELS = ("demo", *APPLICATIONS)
+DATASETS = ("fashion_mnist", "synthetic")
 
 
 def load_dataset(name, train_samples=None, seed=0):
@@ -17,41 +32,105 @@ def load_dataset(name, train_samples=None, seed=0):
         x, y = data.synthetic((train_samples or 2048) + 512, seed=seed)
         train, test = (x[512:], y[512:]), (x[:512], y[:512])
     else:
-        raise ValueError(f"dataset must be 'fashion_mnist' or 'synthetic', got {name!r}")
+        raise ValueError(f"dataset must be one of {DATASETS}, got {name!r}")
     if train_samples:
         train = tuple(a[:train_samples] for a in train)
     return train, test
 
 
-def run_training(args):
-    """Trains per `args` (the `keras-boost train` options) on this worker; returns a summary dict."""
+def to_rgb32(images):
+    """28x28x1 images as the 32x32x3 input keras.applications models accept (zero pad, 3 channels)."""
+    padded = np.pad(images, ((0, 0), (2, 2), (2, 2), (0, 0)))
+    return np.repeat(padded, 3, axis=-1)
+
+
+def build_model(name, seed=0):
+    """The functional model `name` (see MODELS) for 28x28 grey images, 10 classes, logits out."""
+    keras.utils.set_random_seed(seed)
+    if name == "demo":
+        return demo_resnet(model_class=keras.Model)
+    if name not in APPLICATIONS:
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    factory = getattr(keras.applications, APPLICATIONS[name])
+    return factory(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+
+
+def _boost_config(args, updates):
+    config = json.load(open(args.config)) if args.config else {}
+    config.setdefault("grad_freeze", {}).setdefault("total_steps", max(updates, 1))
+    return config
+
+
+def prepare(args):
+    """Data shards for this worker, the BoostModel at the requested level, compiled."""
     distributed.init()
-    keras.utils.set_random_seed(args.seed)
     keras.config.set_dtype_policy(args.precision)
     rank, size = distributed.rank(), distributed.size()
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed)
-    rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(x_train))
+    if args.model != "demo":
+        x_train, x_test = to_rgb32(x_train), to_rgb32(x_test)
+    order = np.random.default_rng(args.seed).permutation(len(x_train))
     x_train, y_train = data.shard((x_train[order], y_train[order]), rank, size)
     x_test, y_test = data.shard((x_test, y_test), rank, size)
-
-    model = demo_resnet()
+    steps = args.steps_per_epoch or len(x_train) // args.batch_size
+    updates = args.epochs * steps // args.accumulation
+    base = build_model(args.model, args.seed)
+    model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=args.level,
+                       boost_config=_boost_config(args, updates))
     model.compile(
         optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         loss_scale="dynamic" if args.loss_scale == "dynamic" else None,
-        gradient_accumulation=args.accumulation,
+        gradient_accumulation=args.accumulation if args.accumulation > 1 else None,
     )
+    return model, (x_train, y_train), (x_test, y_test)
+
+
+def boost_report(model):
+    """What the boost did: BatchNorms removed, share of frozen steps, overflows."""
+    step = model.boost_step
+    report = {"level": model.auto_boost.level if model.auto_boost else "O0"}
+    if model.less_bn_report is not None:
+        report["batchnorms_removed"] = f"{model.less_bn_report.num_removed} of " \
+            f"{model.less_bn_report.num_removed + model.less_bn_report.num_kept}"
+    updates = int(model.optimizer.iterations.numpy())
+    if step.freeze is not None and updates:
+        schedule = step.freeze.plan.schedule
+        groups = schedule[np.arange(updates) % len(schedule)]
+        report["frozen_step_share"] = round(float(np.mean(groups > 0)), 3)
+    if step.loss_scale is not None:
+        report["overflows"] = int(step.loss_scale.overflow_count.numpy())
+    if step.adasum is not None:
+        report["adasum_combine"] = step.adasum.combine_backend or "none (one group)"
+    return report
+
+
+def _checkpoint_callbacks(model, directory):
+    if not directory:
+        return []
+    path = os.path.join(directory, "model.weights.h5")
+    if os.path.exists(path):
+        model.load_weights(path)  # every worker resumes from the same file
+    os.makedirs(directory, exist_ok=True)
+    return [rank_zero_only(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))]
+
+
+def run_training(args):
+    """Trains per `args` (the `keras-boost train` options) on this worker; returns a summary dict."""
+    model, (x_train, y_train), (x_test, y_test) = prepare(args)
+    callbacks = _checkpoint_callbacks(model, args.checkpoint_dir)
     start = time.perf_counter()
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-                        steps_per_epoch=args.steps_per_epoch, shuffle=True)
+                        steps_per_epoch=args.steps_per_epoch, shuffle=True, callbacks=callbacks)
     wall = time.perf_counter() - start
     test = model.evaluate(x_test, y_test, batch_size=256, return_dict=True)
     return {
-        "workers": size,
+        "model": args.model,
+        "workers": distributed.size(),
         "epochs": args.epochs,
         "train_loss": round(float(history.history["loss"][-1]), 4),
         "test_accuracy": round(float(test["accuracy"]), 4),
         "wall_time_s": round(wall, 1),
+        **boost_report(model),
     }
