@@ -1,0 +1,144 @@
+"""AutoBoost: levels, modes, config merging, defaults, errors; processing a model for training."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from keras_boost import AdaSum, AutoBoost, BoostModel, GradientCentralization
+from keras_boost.auto_boost import DEFAULTS, FEATURES
+from keras_boost.freeze import FreezeSchedule
+from keras_boost.models import demo_resnet
+from tests.helpers import classification_data, mlp
+
+
+@pytest.mark.parametrize("level, on", [("O0", set()), ("O1", {"less_bn", "grad_freeze"}),
+                                       ("O2", {"less_bn", "grad_freeze", "adasum"})])
+def test_level_table(level, on):
+    auto = AutoBoost(level)
+    assert {k for k, v in auto.features.items() if v} == on
+    assert auto.params == DEFAULTS
+
+
+def test_modes():
+    assert not any(AutoBoost("O2", {"boost": {"mode": "disable_all"}}).features.values())
+    assert all(AutoBoost("O0", {"boost": {"mode": "enable_all"}}).features.values())
+    manual = AutoBoost("O1", {"boost": {"mode": "manual", "grad_freeze": False, "grad_accumulation": True}})
+    assert manual.features == {"less_bn": True, "grad_freeze": False, "adasum": False, "grad_accumulation": True}
+
+
+def test_no_singleton_each_autoboost_is_its_own():
+    first = AutoBoost("O1", {"boost": {"mode": "manual", "less_bn": False}})
+    second = AutoBoost("O1")
+    assert first.features["less_bn"] is False and second.features["less_bn"] is True
+    assert AutoBoost("O1").features == second.features  # the level table was not mutated
+
+
+def test_config_merging_and_json_file(tmp_path):
+    config = {"grad_freeze": {"freeze_p": 0.5, "total_steps": 100}, "common": {"device_number": 2}}
+    path = tmp_path / "boost.json"
+    path.write_text(json.dumps(config))
+    for source in (config, str(path)):
+        auto = AutoBoost("O2", source)
+        assert auto.params["grad_freeze"] == {**DEFAULTS["grad_freeze"], "freeze_p": 0.5, "total_steps": 100}
+        assert auto.params["less_bn"] == DEFAULTS["less_bn"]
+        assert auto.params["common"]["device_number"] == 2
+
+
+@pytest.mark.parametrize("level, config, error, match", [
+    ("O3", None, ValueError, r"level must be one of \['O0', 'O1', 'O2'\]"),
+    ("O1", {"boost": {"mode": "fast"}}, ValueError, "The boost mode must be in"),
+    ("O1", {"dim_reduce": {}}, ValueError, "unknown key.*dim_reduce.*valid keys"),
+    ("O1", {"grad_freeze": {"freeze_pp": 0.5}}, ValueError, r"unknown key\(s\) \['freeze_pp'\].*valid keys"),
+    ("O1", {"common": {"device_num": 8}}, ValueError, "device_num"),  # the tutorial's typo is not ignored
+    ("O1", {"boost": {"less_bn": False}}, ValueError, "take effect only with mode 'manual'"),
+    ("O1", {"boost": {"mode": "manual", "dim_reduce": True}}, ValueError, "does not provide"),
+    ("O1", {"boost": {"mode": "manual", "adasum": "yes"}}, TypeError, "must be true or false"),
+    ("O1", {"grad_freeze": {"freeze_p": 1.5}}, ValueError, "freeze_p"),
+    ("O1", {"grad_freeze": {"param_groups": 0}}, ValueError, "param_groups"),
+    ("O1", {"grad_accumulation": {"grad_accumulation_step": 0}}, ValueError, "max_accumulation_step"),
+    ("O1", {"less_bn": {"fn_flag": 1}}, TypeError, "fn_flag"),
+    ("O1", {"common": {"gradient_split_groups": 50}}, ValueError, "gradient_split_groups"),
+    ("O1", {"common": {"gradient_split_groups": [100, 50]}}, ValueError, "strictly increasing"),
+    ("O1", {"adasum": {"backend": "fast"}}, ValueError, "backend must be one of"),
+    ("O1", {"common": {"device_number": 0}}, ValueError, "device_number must be >= 1"),
+    ("O1", [1, 2], TypeError, "boost_config must be a dict"),
+    ("O1", {"boost": []}, TypeError, r"boost_config\['boost'\] must be a dict"),
+])
+def test_bad_configuration(level, config, error, match):
+    with pytest.raises(error, match=match):
+        AutoBoost(level, config)
+
+
+def test_bad_json_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{'boost': 1}")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        AutoBoost("O1", str(path))
+
+
+def test_network_auto_process_train_demo_model():
+    auto = AutoBoost("O2", {"grad_freeze": {"total_steps": 40, "param_groups": 4}})
+    base = demo_resnet(model_class=keras.Model)
+    model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.05, momentum=0.9))
+    assert isinstance(model, BoostModel) and model.auto_boost is auto
+    assert model.less_bn_report.num_removed == 5
+    assert sum(isinstance(l, keras.layers.BatchNormalization) for l in base.layers) == 9  # input unchanged
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step = model.boost_step
+    assert isinstance(step.freeze, FreezeSchedule)
+    assert isinstance(step.centralization, GradientCentralization) and isinstance(step.adasum, AdaSum)
+    x = np.random.default_rng(0).random((64, 28, 28, 1), dtype=np.float32)
+    y = np.arange(64) % 10
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert auto.network_auto_process_eval(model) is model
+
+
+def test_network_auto_process_train_resnet50():
+    auto = AutoBoost("O1", {"grad_freeze": {"total_steps": 4}})
+    base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+    model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.01, momentum=0.9))
+    assert model.less_bn_report.num_removed == 36
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((8, 32, 32, 3), dtype=np.float32)
+    logs = model.train_on_batch(x, np.arange(8) % 10, return_dict=True)
+    assert np.isfinite(logs["loss"])
+
+
+def test_boost_level_on_the_model():
+    base = demo_resnet(model_class=keras.Model)
+    model = BoostModel(base.inputs, base.outputs, boost_level="O1", boost_config={"grad_freeze": {"total_steps": 8}})
+    assert model.less_bn_report.num_removed == 5
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.boost_step.freeze is not None
+    explicit = BoostModel(base.inputs, base.outputs, boost_level="O1")
+    explicit.compile(optimizer="sgd", loss="mse", gradient_centralization=False)
+    assert explicit.boost_step.centralization is None  # an explicit compile option wins...
+    assert explicit.boost_step.freeze is not None  # ...over the level's, for that option only
+
+
+def test_boost_level_without_less_bn_on_a_subclassed_model():
+    class Net(BoostModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    with pytest.raises(TypeError, match="build the BoostModel functionally"):
+        Net(boost_level="O1")
+    net = Net(boost_level="O1", boost_config={"boost": {"mode": "manual", "less_bn": False},
+                                              "grad_freeze": {"total_steps": 8, "param_groups": 1}})
+    net.compile(optimizer="sgd", loss="mse")
+    x, _ = classification_data(n=16)
+    net.fit(x, np.zeros((16, 4), np.float32), verbose=0)
+    assert net.boost_step.freeze is not None
+
+
+def test_features_list_is_the_seed_subset():
+    assert FEATURES == ("less_bn", "grad_freeze", "adasum", "grad_accumulation")
+    assert isinstance(mlp(), BoostModel)

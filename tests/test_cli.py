@@ -1,0 +1,79 @@
+"""The keras-boost command: info, train (1 and 2 workers), bench, bad arguments."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "keras_boost.cli"]
+
+
+def keras_boost(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT),
+               OMPI_MCA_mpi_yield_when_idle="1")
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_info_json():
+    result = keras_boost("info", "--json")
+    assert result.returncode == 0, result.stderr
+    caps = json.loads(result.stdout)
+    assert caps["horovod"] == "0.28.1" and caps["mpi_built"] and caps["gloo_built"] and caps["size"] == 1
+
+
+def test_train_single_process_with_level_and_checkpoint(tmp_path):
+    args = ["train", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1", "--batch-size", "32",
+            "--steps-per-epoch", "3", "--level", "O1", "--loss-scale", "dynamic", "--json",
+            "--checkpoint-dir", str(tmp_path)]
+    result = keras_boost(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["workers"] == 1 and summary["level"] == "O1"
+    assert summary["batchnorms_removed"] == "5 of 9" and summary["overflows"] == 0
+    assert 0 <= summary["frozen_step_share"] <= 1
+    assert (tmp_path / "model.weights.h5").exists()
+
+
+def test_train_two_workers():
+    args = ["train", "--np", "2", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1",
+            "--batch-size", "32", "--steps-per-epoch", "2", "--json"]
+    result = keras_boost(*args)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    line = next(l for l in result.stdout.splitlines() if '"workers"' in l)
+    assert json.loads(line[line.index("{"):])["workers"] == 2
+
+
+def test_bench_writes_table_and_plot(tmp_path):
+    table, plot = tmp_path / "bench.md", tmp_path / "bench.png"
+    args = ["bench", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "2", "--batch-size", "32",
+            "--steps-per-epoch", "2", "--levels", "O0", "O1", "--table", str(table), "--plot", str(plot)]
+    result = keras_boost(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = table.read_text()
+    assert "| O0 |" in text and "| O1 |" in text and "batchnorms_removed=5 of 9" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--epochs", "0"], "expected a positive integer"),
+    (["train", "--lr", "-1"], "expected a positive number"),
+    (["train", "--level", "O3"], "invalid choice"),
+    (["train", "--model", "vgg"], "invalid choice"),
+    (["bench", "--levels", "O5"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments(args, message):
+    result = keras_boost(*args, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_bad_config_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"grad_freeze": {"freeze_pp": 1}}))
+    result = keras_boost("train", "--dataset", "synthetic", "--config", str(path), timeout=120)
+    assert result.returncode != 0 and "freeze_pp" in result.stderr
