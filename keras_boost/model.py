@@ -122,6 +122,46 @@ class BoostModel(keras.Model):
         if self.built:
             self.boost_step.build(self.boost_state)
 
+    # ---------------------------------------------------------------- saving
+    def get_config(self):
+        config = super().get_config()
+        if self.auto_boost is not None:
+            config["auto_boost"] = self.auto_boost.get_config()
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        auto_boost = config.pop("auto_boost", None)
+        model = super().from_config(config, custom_objects=custom_objects)  # the graph is already rewritten
+        if auto_boost is not None:
+            from keras_boost.auto_boost import AutoBoost
+
+            model.auto_boost = AutoBoost(**auto_boost)
+        return model
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config is not None and self.boost_step is not None:
+            from keras_boost import stages
+
+            config["boost"] = stages.step_config(self.boost_step)
+        return config
+
+    def compile_from_config(self, config):
+        # Keras skips compile for models that override it; BoostModel restores its boost
+        # options (and so the boost state variables) along with Keras' own.
+        from keras_boost import stages
+
+        config = dict(config)
+        boost = config.pop("boost", {})
+        config = keras.saving.deserialize_keras_object(config)
+        optimizer = config.pop("optimizer", "rmsprop")
+        self.compile(optimizer=optimizer, **config,
+                     **stages.options_from_config(boost, self, keras.optimizers.get(optimizer)))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     # ----------------------------------------------------------------- steps
     def train_step(self, data):
         if self.boost_step is None:
@@ -186,7 +226,12 @@ _FUNCTIONAL_VARIANTS = {}
 def _functional_variant(cls):
     """`cls` with `Functional` mixed in (made once per class)."""
     if cls not in _FUNCTIONAL_VARIANTS:
-        _FUNCTIONAL_VARIANTS[cls] = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+        variant = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+        registered = keras.saving.get_registered_name(cls)
+        if ">" in registered:  # saved files name the variant as the user registered the class
+            package, name = registered.split(">", 1)
+            keras.saving.register_keras_serializable(package=package, name=name)(variant)
+        _FUNCTIONAL_VARIANTS[cls] = variant
     return _FUNCTIONAL_VARIANTS[cls]
 
 

@@ -37,6 +37,15 @@ def check_sens(sens):
     return float(sens)
 
 
+def _run_if(predicate, fn):
+    """Runs `fn` (for its effects) inside the compiled step only when `predicate` holds."""
+    def taken():
+        fn()
+        return tf.constant(True)
+
+    return tf.cond(predicate, taken, lambda: tf.constant(False))
+
+
 def _check_split_points(points):
     if points is None:
         return []
@@ -164,7 +173,7 @@ class BoostTrainOneStep:
             self._update(grads, indices)
         else:
             boundary = self.accumulation.accumulate(grads, indices)
-            tf.cond(boundary, lambda: self._update_from_window(indices), tf.no_op)
+            _run_if(boundary, lambda: self._update_from_window(indices))
         return loss, y_pred
 
     def _update_from_window(self, indices):
@@ -182,7 +191,7 @@ class BoostTrainOneStep:
             if self.adasum is not None:  # gradients were reduced inside the group only
                 finite = self.adasum.all_agree(finite)
             skip = self.loss_scale.update(finite)
-            tf.cond(skip, tf.no_op, lambda: self._apply(grads, variables))
+            _run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))
         if self.freeze is not None:
             self.freeze.advance()
 
@@ -210,7 +219,6 @@ class BoostTrainOneStep:
             self.adasum.apply(self.optimizer, grads, variables)
         else:
             self.optimizer.apply(grads, variables)
-        return tf.no_op()
 
 
 class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
