@@ -91,6 +91,8 @@ class BoostModel(keras.Model):
         else:
             super().__init__(*args, **kwargs)
         self.boost_state = BoostState()
+        # Keras tracks the layer for its own saving; tf.train.Checkpoint needs the edge too.
+        self._track_trackable(self.boost_state, name="boost_state")
         self.boost_step = None
         self.auto_boost = auto_boost
 

@@ -20,16 +20,20 @@ class BoostState(keras.layers.Layer):
 
     def add_state(self, name, initial_value, dtype, shape=()):
         """Creates (or returns the existing) non-trainable variable called `name`."""
-        for variable in self.variables:
-            if variable.name == name.replace("/", "_"):
-                return variable
-        return self.add_weight(
+        attribute = name.replace("/", "_")
+        existing = getattr(self, attribute, None)
+        if existing is not None:
+            return existing
+        variable = self.add_weight(
             shape=shape,
             initializer=keras.initializers.Constant(initial_value),
             dtype=dtype,
             trainable=False,
-            name=name.replace("/", "_"),
+            name=attribute,
         )
+        # An attribute, so that tf.train.Checkpoint finds it (Keras' own saving uses the order).
+        setattr(self, attribute, variable)
+        return variable
 
     def call(self, inputs):
         return inputs
