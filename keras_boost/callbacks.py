@@ -36,6 +36,30 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             distributed.broadcast_variables(variables, self.root_rank)
 
 
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops `fit` when the boost step refused a non-finite update (BoostModel adds it itself).
+
+    The step has already kept the non-finite gradient out of the weights; every worker
+    takes the same decision, so every worker stops at the same batch.
+    """
+
+    def on_train_begin(self, logs=None):
+        self._seen = self._count()
+
+    def _count(self):
+        variable = getattr(self.model.boost_step, "nonfinite_updates", None)
+        return 0 if variable is None else int(variable.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        count = self._count()
+        if count > self._seen:
+            raise FloatingPointError(
+                f"non-finite gradient at batch {batch} (rank {distributed.rank()} of {distributed.size()}): the "
+                "update was not applied and training stopped. Lower the learning rate, check the data, or use "
+                "loss_scale=... to skip such steps and go on; compile(nan_guard=False) applies them like plain Keras."
+            )
+
+
 class MetricAverageCallback(keras.callbacks.Callback):
     """Averages the epoch logs across workers, so every rank sees the same numbers.
 

@@ -48,6 +48,9 @@ class BoostModel(keras.Model):
         gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
         gradient_centralization: True, or a `GradientCentralization`.
         adasum: True, or an `AdaSum` stage.
+        nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
+            update whose averaged gradient is not finite, before it reaches the weights
+            (default True; False applies it anyway, like plain Keras).
         gradient_split_groups: None (one fused allreduce per update) or increasing indices
             into `trainable_variables` at which to start a new fused allreduce (the seed's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
@@ -99,7 +102,7 @@ class BoostModel(keras.Model):
     # --------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
-                **kwargs):
+                nan_guard=True, **kwargs):
         from keras_boost import stages
 
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
@@ -120,6 +123,7 @@ class BoostModel(keras.Model):
             gradient_centralization=stages.centralization_option(given["gradient_centralization"], self),
             adasum=stages.adasum_option(given["adasum"]),
             gradient_split_groups=given["gradient_split_groups"],
+            nan_guard=nan_guard,
         )
         if self.built:
             self.boost_step.build(self.boost_state)
@@ -179,7 +183,11 @@ class BoostModel(keras.Model):
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.callbacks import BroadcastGlobalVariablesCallback
 
+        from keras_boost.callbacks import NonFiniteGuard
+
         callbacks = list(callbacks or [])
+        if self.boost_step is not None and self.boost_step.nan_guard and self.boost_step.loss_scale is None:
+            callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
         return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)

@@ -58,7 +58,7 @@ def step_config(step):
     """The boost options of a compiled step as a JSON-serialisable dict (for `.keras` files)."""
     from keras_boost.freeze import GradientFreeze
 
-    config = {"sens": step.sens, "gradient_split_groups": step.split_points or None}
+    config = {"sens": step.sens, "gradient_split_groups": step.split_points or None, "nan_guard": step.nan_guard}
     if step.loss_scale is not None:
         config["loss_scale"] = {"class_name": type(step.loss_scale).__name__, "config": step.loss_scale.get_config()}
     if step.accumulation is not None:
@@ -86,7 +86,8 @@ def options_from_config(config, model, optimizer):
     from keras_boost.freeze import FreezeOpt, GradientFreeze
     from keras_boost.loss_scale import DynamicLossScale, FixedLossScale
 
-    options = {"sens": config.get("sens", 1.0), "gradient_split_groups": config.get("gradient_split_groups")}
+    options = {"sens": config.get("sens", 1.0), "gradient_split_groups": config.get("gradient_split_groups"),
+               "nan_guard": config.get("nan_guard", True)}
     if "loss_scale" in config:
         classes = {"DynamicLossScale": DynamicLossScale, "FixedLossScale": FixedLossScale}
         options["loss_scale"] = classes[config["loss_scale"]["class_name"]](**config["loss_scale"]["config"])

@@ -73,6 +73,9 @@ class BoostTrainOneStep:
         adasum: an `AdaSum` stage or None.
         gradient_split_groups: increasing variable indices at which a new fused
             allreduce starts, or None for one fused allreduce of all gradients.
+        nan_guard: without loss scaling, an update whose averaged gradient is not finite
+            is not applied and `BoostModel.fit` stops with `FloatingPointError` (default
+            True). False applies it anyway, as plain Keras does.
 
     Example:
         >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1))
@@ -80,7 +83,8 @@ class BoostTrainOneStep:
     """
 
     def __init__(self, model, optimizer, sens=1.0, *, loss_scale=None, gradient_accumulation=None,
-                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None):
+                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
+                 nan_guard=True):
         if not isinstance(model, keras.Model):
             raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -96,6 +100,9 @@ class BoostTrainOneStep:
         self.centralization = gradient_centralization
         self.adasum = adasum
         self.split_points = _check_split_points(gradient_split_groups)
+        if not isinstance(nan_guard, bool):
+            raise TypeError(f"nan_guard must be a bool, got {nan_guard!r}")
+        self.nan_guard = nan_guard
         self.built = False
 
     # ----------------------------------------------------------------- build
@@ -112,6 +119,8 @@ class BoostTrainOneStep:
             self._groups = [list(range(len(variables)))]
             if self.loss_scale is not None:
                 self.loss_scale.build(state)
+            elif self.nan_guard:
+                self.nonfinite_updates = state.add_state("guard/nonfinite_updates", 0, "int64")
             if self.accumulation is not None:
                 self.accumulation.build(state, variables)
             if self.freeze is not None:
@@ -184,13 +193,17 @@ class BoostTrainOneStep:
         """Communicates once, decides overflow for all workers, applies, updates stage state."""
         grads = self._reduce(grads, indices)
         variables = [self._variables[i] for i in indices]
-        if self.loss_scale is None:
+        if self.loss_scale is None and not self.nan_guard:
             self._apply(grads, variables)
         else:
             finite = all_finite(grads)
             if self.adasum is not None:  # gradients were reduced inside the group only
                 finite = self.adasum.all_agree(finite)
-            skip = self.loss_scale.update(finite)
+            if self.loss_scale is not None:
+                skip = self.loss_scale.update(finite)
+            else:  # the guard: never write non-finite values into the weights
+                skip = tf.logical_not(finite)
+                self.nonfinite_updates.assign_add(tf.cast(skip, tf.int64))
             _run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))
         if self.freeze is not None:
             self.freeze.advance()

@@ -93,3 +93,30 @@ def test_demo_model_shape():
     assert len(bns) == len(convs) == 9
     out = model(tf.zeros((2, 28, 28, 1)))
     assert out.shape == (2, 10)
+
+
+def test_nan_guard_stops_before_the_weights_are_touched():
+    x, y = classification_data(n=64)
+    x = x.copy()
+    x[40, 0] = np.nan  # third batch of 16
+    model = compile_sgd(mlp())
+    seen = []
+    with pytest.raises(FloatingPointError, match="non-finite gradient at batch 2"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: seen.append(
+                      [np.array(w) for w in model.trainable_weights]))])
+    assert all(np.isfinite(w).all() for w in weights(model))
+    for a, b in zip(seen[-1], weights(model)):
+        np.testing.assert_array_equal(a, b)  # the refused update left the weights as they were
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_nan_guard_opt_out_applies_like_keras():
+    x, y = classification_data(n=32)
+    x = x.copy()
+    x[0, 0] = np.nan
+    model = compile_sgd(mlp(), nan_guard=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert not all(np.isfinite(w).all() for w in weights(model))
+    with pytest.raises(TypeError, match="nan_guard must be a bool"):
+        compile_sgd(mlp(), nan_guard="yes")
