@@ -41,3 +41,12 @@ def test_overflow_on_one_worker_is_an_overflow_on_all(controller):
         assert found[rank]["scales"] == [1024.0, 512.0, 512.0, 512.0, 1024.0, 1024.0, 1024.0]
         assert found[rank]["finite"]
     assert found[0]["digest"] == found[1]["digest"]
+
+
+@pytest.mark.parametrize("controller, names_rank", [("gloo", "Process name: 1"), ("mpi", "process rank 1")])
+def test_a_killed_worker_ends_the_run_and_is_named(controller, names_rank):
+    start = time.monotonic()
+    completed = horovodrun("killed_worker.py", np=2, controller=controller, timeout=180)
+    assert completed.returncode != 0
+    assert names_rank in completed.stdout
+    assert time.monotonic() - start < 180

@@ -1,0 +1,401 @@
+"""Gradient freeze inside the boost step, in one process.
+
+What a frozen step does to variables and optimizer state (against a manual reference),
+the schedule and its checkpointed position, steps_per_execution, tracing, loss scaling,
+accumulation, the pruned backward pass (counted in the traced graph) and bad inputs.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_boost import BoostModel, DynamicLossScale, FreezeOpt, GradientFreeze, split_parameters_groups
+from tests.helpers import classification_data, weights
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+# --------------------------------------------------------------------------- models
+def deep_mlp(model_class=BoostModel, seed=0):
+    """Three Dense layers, no BatchNorm: three blocks, so groups [all, last two, last one]."""
+    keras.utils.set_random_seed(seed)
+    x_in = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(x_in)
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+    out = keras.layers.Dense(4, name="d2")(h)
+    return model_class(x_in, out)
+
+
+def small_cnn(model_class=BoostModel, seed=0):
+    """Three conv-BN-ReLU blocks and a Dense head: four blocks."""
+    keras.utils.set_random_seed(seed)
+    x_in = keras.Input((8, 8, 1))
+    x = x_in
+    for n in range(3):
+        x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name=f"conv{n}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{n}")(x)
+        x = keras.layers.ReLU(name=f"relu{n}")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return model_class(x_in, keras.layers.Dense(3, name="head")(x))
+
+
+def freeze_compile(model, optimizer, strategy=None, groups=3, **boost):
+    parameter_groups = split_parameters_groups(model, groups)
+    model.compile(optimizer=optimizer, loss=LOSS,
+                  gradient_freeze=FreezeOpt(optimizer, parameter_groups, strategy), **boost)
+    return model, parameter_groups
+
+
+def batches(n_steps, batch=16, seed=3, nan_steps=()):
+    """Per step a batch; at `nan_steps` one input is NaN (an inf input would be squashed
+    to a finite value by the frozen first tanh layer, so a deep group would not overflow)."""
+    x, y = classification_data(n=batch * n_steps, seed=seed)
+    x = x.copy()
+    for step in nan_steps:
+        x[batch * step, 0] = np.nan
+    return [(x[batch * i:batch * (i + 1)], y[batch * i:batch * (i + 1)]) for i in range(n_steps)]
+
+
+def train(model, data):
+    """train_on_batch over `data`; returns the logged freeze group of each step."""
+    return [int(model.train_on_batch(xb, yb, return_dict=True)["freeze_group"]) for xb, yb in data]
+
+
+def position(model):
+    (variable,) = [v for v in model.boost_state.variables if v.name == "freeze_position"]
+    return int(variable.numpy())
+
+
+def slots_of(optimizer, variable):
+    """The optimizer's per-variable state of `variable` (momentum, Adam m and v)."""
+    index = optimizer._get_variable_index(variable)
+    lists = [getattr(optimizer, name, None) for name in ("momentums", "_momentums", "_velocities")]
+    return [np.array(slots[index]) for slots in lists if slots]
+
+
+# ----------------------------------------------------------- exactness of a frozen step
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd_momentum_decay": lambda: keras.optimizers.SGD(0.05, momentum=0.9, weight_decay=0.1),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("group", [1, 2])
+def test_frozen_step_touches_only_its_group_and_equals_a_restricted_step(name, group):
+    make_optimizer = OPTIMIZERS[name]
+    model, groups = freeze_compile(deep_mlp(), make_optimizer(), strategy=[0, 0, group])
+    optimizer = model.optimizer
+    data = batches(3)
+    assert train(model, data[:2]) == [0, 0]  # two full steps: every slot is non-zero now
+
+    trained = groups[group]
+    trained_ids = {id(v) for v in trained}
+    frozen = [v for v in model.trainable_variables if id(v) not in trained_ids]
+    assert frozen and len(frozen) + len(trained) == len(model.trainable_variables)
+    before = {id(v): (np.array(v), slots_of(optimizer, v)) for v in model.trainable_variables}
+    assert all(np.any(s != 0) for _, slots in before.values() for s in slots)
+
+    # Reference: a copy of the model and of the optimizer state, one manual step on `trained` only.
+    reference = deep_mlp(keras.Model, seed=5)
+    for mine, theirs in zip(reference.trainable_variables, model.trainable_variables):
+        mine.assign(theirs)
+    ref_optimizer = make_optimizer()
+    ref_optimizer.build(reference.trainable_variables)
+    assert len(ref_optimizer.variables) == len(optimizer.variables)
+    for mine, theirs in zip(ref_optimizer.variables, optimizer.variables):
+        mine.assign(theirs)
+    positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    ref_trained = [reference.trainable_variables[positions[id(v)]] for v in trained]
+    xb, yb = data[2]
+    with tf.GradientTape() as tape:
+        loss = LOSS(yb, reference(xb, training=True))
+    ref_optimizer.apply(tape.gradient(loss, ref_trained), ref_trained)
+
+    assert train(model, data[2:]) == [group]
+    for variable in frozen:
+        value, slots = before[id(variable)]
+        assert np.array_equal(np.array(variable), value), variable.path
+        for old, new in zip(slots, slots_of(optimizer, variable)):
+            assert np.array_equal(old, new), variable.path
+    for variable, ref_variable in zip(trained, ref_trained):
+        value, slots = before[id(variable)]
+        assert not np.array_equal(np.array(variable), value), variable.path  # it did train
+        np.testing.assert_allclose(np.array(variable), np.array(ref_variable), rtol=0, atol=1e-6)
+        ref_slots = slots_of(ref_optimizer, ref_variable)
+        for old, new, ref in zip(slots, slots_of(optimizer, variable), ref_slots):
+            assert not np.array_equal(old, new)
+            np.testing.assert_allclose(new, ref, rtol=0, atol=1e-6)
+    assert int(optimizer.iterations.numpy()) == 3 == int(ref_optimizer.iterations.numpy())
+
+
+# ------------------------------------------------------------------------- schedule
+def test_logged_groups_follow_the_strategy_and_wrap_around():
+    model, _ = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 2, 1, 2])
+    assert train(model, batches(10)) == [0, 2, 1, 2, 0, 2, 1, 2, 0, 2]
+    assert position(model) == 10 % 4
+    assert int(model.optimizer.iterations.numpy()) == 10
+
+
+def test_round_robin_without_strategy_and_gradient_freeze_default_groups():
+    model, _ = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05), strategy=None)
+    assert train(model, batches(5)) == [0, 1, 2, 0, 1]
+    # GradientFreeze: the interval sequence of generate_freeze_index_sequence, seeded.
+    freeze = GradientFreeze(param_groups=3, freeze_type=1, freeze_p=0.5, total_steps=12, seed=4)
+    model = deep_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS, gradient_freeze=freeze)
+    expected = freeze.generate_freeze_index_sequence()
+    assert len(set(expected.tolist())) == 3
+    assert train(model, batches(12)) == expected[:12].tolist()
+
+
+def _checkpointed_run(directory, interrupt_at=None):
+    data = batches(8)
+    model, _ = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 2, 1, 2])
+    if interrupt_at is None:
+        return train(model, data), model
+    groups = train(model, data[:interrupt_at])
+    # model.save_weights holds the layers, the optimizer state and the boost state
+    model.save_weights(str(directory / "run.weights.h5"))
+    # a fresh process would start here: other weights, a new optimizer, position 0
+    resumed, _ = freeze_compile(deep_mlp(seed=9), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 2, 1, 2])
+    assert position(resumed) == 0
+    resumed.load_weights(str(directory / "run.weights.h5"))
+    assert position(resumed) == interrupt_at % 4
+    assert int(resumed.optimizer.iterations.numpy()) == interrupt_at
+    return groups + train(resumed, data[interrupt_at:]), resumed
+
+
+def test_resumed_run_continues_the_schedule_bit_identically(tmp_path):
+    groups, model = _checkpointed_run(tmp_path)
+    resumed_groups, resumed = _checkpointed_run(tmp_path, interrupt_at=3)
+    assert groups == resumed_groups == [0, 2, 1, 2, 0, 2, 1, 2]
+    for a, b in zip(weights(model), weights(resumed)):
+        assert np.array_equal(a, b)
+    for a, b in zip(model.optimizer.variables, resumed.optimizer.variables):
+        assert np.array_equal(np.array(a), np.array(b))
+    # without the restore the run would differ: the seeds of the two models differ
+    assert not np.array_equal(weights(deep_mlp(seed=9))[0], weights(deep_mlp())[0])
+
+
+# ------------------------------------------------------- compiled loop and tracing
+def _fit(steps_per_execution, data_steps=12):
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution,
+                  gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [0, 2, 1, 2, 1]))
+    x, y = classification_data(n=16 * data_steps, seed=3)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return model, history
+
+
+def test_steps_per_execution_gives_the_same_training():
+    one, history_one = _fit(1)
+    three, history_three = _fit(3)
+    assert int(three.optimizer.iterations.numpy()) == 24 == int(one.optimizer.iterations.numpy())
+    assert position(three) == position(one) == 24 % 5
+    assert history_three.history["freeze_group"] == history_one.history["freeze_group"]
+    for a, b in zip(weights(one), weights(three)):
+        assert np.array_equal(a, b)  # the same ops in the same order: bit-identical
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(weights(one), weights(deep_mlp())))
+    assert moved > 1e-2
+
+
+def _traced_functions(function, seen=None):
+    """The tf.functions reachable through the closures of Keras' train_function
+    (`multi_step_on_iterator` and `one_step_on_data`)."""
+    seen = set() if seen is None else seen
+    if id(function) in seen:
+        return []
+    seen.add(id(function))
+    found = [function] if hasattr(function, "experimental_get_tracing_count") else []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            found += _traced_functions(cell.cell_contents, seen)
+        except ValueError:  # an empty cell
+            continue
+    return found
+
+
+def test_each_branch_is_traced_once_over_many_steps():
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    model.compile(optimizer=optimizer, loss=LOSS,
+                  gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [0, 2, 1, 2, 1, 0, 0]))
+    step = model.boost_step
+    built = collections.Counter()
+    branch = step._branch
+
+    def counting_branch(indices, *args):
+        built[tuple(indices)] += 1
+        return branch(indices, *args)
+
+    step._branch = counting_branch
+    x, y = classification_data(n=16 * 10, seed=3)
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 30
+    assert set(history.history["freeze_group"]) == {0.0, 1.0, 2.0}
+    assert sorted(built.values()) == [1, 1, 1] and len(built) == 3  # one trace of each branch
+    functions = _traced_functions(model.train_function)
+    assert len(functions) >= 2  # Keras' loop and its one-step function
+    assert all(f.experimental_get_tracing_count() == 1 for f in functions)
+
+
+# -------------------------------------------------- loss scaling and accumulation
+def test_overflow_drops_the_update_of_its_group_and_halves_the_scale():
+    model, groups = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 1, 2],
+                                   loss_scale=DynamicLossScale(init_scale=1024.0, scale_window=100))
+    data = batches(4, nan_steps=[1])
+    train(model, data[:1])
+    before_w = weights(model)
+    before_opt = [np.array(v) for v in model.optimizer.variables]
+    logs = model.train_on_batch(*data[1], return_dict=True)
+    assert (int(logs["freeze_group"]), int(logs["overflow"]), float(logs["loss_scale"])) == (1, 1, 512.0)
+    for a, b in zip(before_w, weights(model)):
+        assert np.array_equal(a, b)
+    for a, b in zip(before_opt, model.optimizer.variables):
+        assert np.array_equal(a, np.array(b))  # slots and iterations untouched
+    assert position(model) == 2  # the schedule moves on: the dropped step used its slot
+    logs = [model.train_on_batch(*batch, return_dict=True) for batch in data[2:]]
+    assert [int(l["freeze_group"]) for l in logs] == [2, 0]
+    assert [int(l["overflow"]) for l in logs] == [0, 0]
+    assert [float(l["loss_scale"]) for l in logs] == [512.0, 512.0]
+    assert int(model.optimizer.iterations.numpy()) == 3
+    last = {id(v) for v in groups[2]}
+    changed = [not np.array_equal(a, b) for a, b in zip(before_w, weights(model))]
+    assert all(changed)  # group 2 then the full step trained everything again
+    assert any(id(v) not in last for v in model.trainable_variables)
+
+
+def test_accumulation_window_uses_one_group_and_equals_the_big_batch():
+    strategy = [0, 1, 2, 1]
+    accumulated, groups = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=strategy,
+                                         gradient_accumulation=2)
+    big, _ = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=strategy)
+    micro = batches(8, batch=16)
+    whole = batches(4, batch=32)
+
+    frozen_in_1 = [i for i, v in enumerate(accumulated.trainable_variables) if id(v) not in {id(w) for w in groups[1]}]
+    logged, positions = [], []
+    for number, (xb, yb) in enumerate(micro):
+        if number == 2:  # first micro-batch of group 1's window
+            window_start = weights(accumulated)
+        logged.append(int(accumulated.train_on_batch(xb, yb, return_dict=True)["freeze_group"]))
+        positions.append(position(accumulated))
+        if number == 3:
+            after = weights(accumulated)
+            assert all(np.array_equal(window_start[i], after[i]) for i in frozen_in_1)
+            assert not all(np.array_equal(a, b) for a, b in zip(window_start, after))
+    assert logged == [0, 0, 1, 1, 2, 2, 1, 1]
+    assert positions == [0, 1, 1, 2, 2, 3, 3, 0]  # advances once per window, wraps around
+    assert int(accumulated.optimizer.iterations.numpy()) == 4
+    assert train(big, whole) == [0, 1, 2, 1]
+    for a, b in zip(weights(big), weights(accumulated)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------ the pruned backward
+def _count_ops(library, name, counter):
+    for node in library[name].node_def:
+        counter[node.op] += 1
+        for attr in node.attr.values():
+            names = [attr.func.name] if attr.func.name else [f.name for f in attr.list.func]
+            for nested in names:
+                if nested in library:
+                    _count_ops(library, nested, counter)
+    return counter
+
+
+def branch_op_counts(model, input_shape):
+    """Per branch of the step's switch_case, how many ops of each type its graph holds."""
+    spec = (tf.TensorSpec((None, *input_shape), tf.float32), tf.TensorSpec((None,), tf.int32))
+    graph = tf.function(model.train_step, autograph=False).get_concrete_function(spec).graph.as_graph_def()
+    library = {f.signature.name: f for f in graph.library.function}
+    cases = [n for n in graph.node if n.op in ("Case", "StatelessCase")]
+    assert len(cases) == 1
+    return [_count_ops(library, f.name, collections.Counter()) for f in cases[0].attr["branches"].list.func]
+
+
+def test_frozen_prefix_has_no_backward_ops():
+    model = small_cnn()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    groups = split_parameters_groups(model, 4)  # conv0+bn0 | conv1+bn1 | conv2+bn2 | head
+    model.compile(optimizer=optimizer, loss=LOSS, gradient_freeze=FreezeOpt(optimizer, groups))
+    counts = branch_op_counts(model, (8, 8, 1))
+    assert len(counts) == 4
+    assert [c["Conv2D"] for c in counts] == [3, 3, 3, 3]  # every branch runs the whole forward
+    # group k: no kernel gradient for the k frozen convs, and no gradient through their
+    # BatchNorms (Keras' BN backward holds one RsqrtGrad) and ReLUs
+    assert [c["Conv2DBackpropFilter"] for c in counts] == [3, 2, 1, 0]
+    assert [c["RsqrtGrad"] for c in counts] == [3, 2, 1, 0]
+    assert [c["ReluGrad"] for c in counts] == [3, 2, 1, 0]
+    # input gradients exist only down to the first trained conv (its own input gradient is
+    # dead code, removed by Grappler at run time)
+    assert [c["Conv2DBackpropInput"] for c in counts] == [3, 2, 1, 0]
+    # and the update touches only the group's variables: fewer optimizer writes per branch
+    writes = [c["AssignVariableOp"] + c["AssignSubVariableOp"] + c["AssignAddVariableOp"] for c in counts]
+    assert writes[0] > writes[1] > writes[2] > writes[3]
+    # still trains: one step of each group on real data changes the loss
+    x = np.random.default_rng(0).normal(size=(32, 8, 8, 1)).astype(np.float32)
+    y = np.arange(32) % 3
+    assert train(model, [(x, y)] * 4) == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------ bad input
+def _foreign_variable_opt(model, optimizer):
+    other = deep_mlp(seed=1)
+    groups = split_parameters_groups(model, 3)
+    return FreezeOpt(optimizer, [groups[0], groups[1] + [other.trainable_variables[0]]])
+
+
+def _non_trainable_opt(model, optimizer):
+    cnn = small_cnn()
+    moving_mean = [v for v in cnn.non_trainable_variables if "moving_mean" in v.path][0]
+    return FreezeOpt(optimizer, [list(model.trainable_variables) + [moving_mean]])
+
+
+BAD = {
+    "string": (lambda model, optimizer: "freeze", TypeError),
+    "true": (lambda model, optimizer: True, TypeError),
+    "int": (lambda model, optimizer: 10, TypeError),
+    "class": (lambda model, optimizer: GradientFreeze, TypeError),
+    "dict": (lambda model, optimizer: {"param_groups": 2}, TypeError),
+    "groups_list": (lambda model, optimizer: split_parameters_groups(model, 3), TypeError),
+    "optimizer": (lambda model, optimizer: optimizer, TypeError),
+    "foreign_variable": (_foreign_variable_opt, ValueError),
+    "non_trainable_variable": (_non_trainable_opt, ValueError),
+    "duplicate_variable": (
+        lambda model, optimizer: FreezeOpt(optimizer, [model.trainable_variables[:1] * 2]), ValueError),
+    "other_optimizer": (
+        lambda model, optimizer: FreezeOpt(keras.optimizers.SGD(0.3), split_parameters_groups(model, 3)),
+        ValueError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_gradient_freeze_is_refused_at_compile(case):
+    make, error = BAD[case]
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05)
+    with pytest.raises(error):
+        model.compile(optimizer=optimizer, loss=LOSS, gradient_freeze=make(model, optimizer))
+
+
+def test_freeze_opt_bad_arguments():
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05)
+    groups = split_parameters_groups(model, 3)
+    with pytest.raises(ValueError):
+        FreezeOpt(optimizer, groups, [0, 3])  # index out of range
+    with pytest.raises(ValueError):
+        FreezeOpt(optimizer, None, [0])  # strategy without groups
+    with pytest.raises(ValueError):
+        FreezeOpt(optimizer, [[]])
+    with pytest.raises(TypeError):
+        FreezeOpt("sgd", groups)
+    with pytest.raises(ValueError):
+        FreezeOpt(optimizer, groups, [0.5, 1])

@@ -1,0 +1,65 @@
+"""Gradient freeze on 2 workers: a small CNN with BatchNorm, GradientFreeze with 4 groups.
+
+Each rank starts from different weights (fit broadcasts rank 0's) and trains on its own
+shard. Reports per rank: the freeze group of every step, the expected sequence, a hash of
+the trainable weights, the loss before and after training and the optimizer iterations.
+"""
+
+import hashlib
+
+from common import report
+
+import keras
+import numpy as np
+
+from keras_boost import BoostModel, GradientFreeze, distributed
+from keras_boost.data import shard, synthetic
+
+EPOCHS, BATCH, STEPS_PER_EPOCH = 3, 16, 6
+
+
+def small_cnn(seed):
+    keras.utils.set_random_seed(seed)
+    x_in = keras.Input((12, 12, 1))
+    x = x_in
+    for n, filters in enumerate((8, 8, 16)):
+        x = keras.layers.Conv2D(filters, 3, strides=1 if n == 0 else 2, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return BoostModel(x_in, keras.layers.Dense(4)(x))
+
+
+class GroupRecorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.groups = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.groups.append(int(logs["freeze_group"]))
+
+
+def main():
+    distributed.init()
+    rank, size = distributed.rank(), distributed.size()
+    x, y = synthetic(BATCH * STEPS_PER_EPOCH * size, shape=(12, 12, 1), classes=4, seed=0)
+    xs, ys = shard((x, y), rank, size)
+    total_steps = EPOCHS * STEPS_PER_EPOCH
+    freeze = GradientFreeze(param_groups=4, freeze_type=1, freeze_p=0.5, total_steps=total_steps, seed=3)
+    model = small_cnn(seed=rank + 11)  # start apart: the broadcast must align them
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), gradient_freeze=freeze)
+    before = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]  # rank-local weights
+    recorder = GroupRecorder()
+    history = model.fit(xs, ys, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[recorder])
+    after = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]
+    trainable = [np.array(w) for w in model.trainable_weights]
+    report(rank, groups=recorder.groups, expected=freeze.generate_freeze_index_sequence()[:total_steps].tolist(),
+           digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
+           before=float(before), after=float(after), history=[float(v) for v in history.history["loss"]],
+           iterations=int(model.optimizer.iterations.numpy()), collectives=distributed.allreduce_count(),
+           finite=bool(all(np.isfinite(w).all() for w in trainable)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Rank 1 is killed with SIGKILL in the middle of training (no Python cleanup at all)."""
+
+import os
+import signal
+
+from common import report  # noqa: F401
+
+import keras
+
+from keras_boost import distributed
+from tests.helpers import classification_data, compile_sgd, mlp
+
+
+class KillRankOne(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3 and distributed.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    distributed.init()
+    x, y = classification_data(n=512)
+    model = compile_sgd(mlp())
+    model.fit(x, y, batch_size=8, epochs=50, verbose=0, callbacks=[KillRankOne()])
+
+
+if __name__ == "__main__":
+    main()
