@@ -1,5 +1,8 @@
 """Keras 3 callbacks for Horovod training (horovod.keras' callbacks are broken under Keras 3)."""
 
+import json
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -229,3 +232,41 @@ class BoostScalarsCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._writer is not None:
             self._writer.flush()
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras' `BackupAndRestore` for Horovod jobs: rank 0 writes, atomically; every rank restores.
+
+    The weights file (model, optimizer and boost state) and the metadata are written to
+    temporary files and renamed into place, so a crash while writing leaves the previous
+    backup usable. Every worker reads the same backup when training starts and resumes at
+    the epoch Keras records (as in Keras, a backup taken mid-epoch resumes that epoch from
+    its start with the mid-epoch weights; use `save_freq="epoch"` for exact resumption).
+
+    Args:
+        backup_dir: directory of the backup, shared by the workers (a local path on one
+            machine; a shared file system across machines).
+        save_freq: "epoch" or a number of batches.
+        delete_checkpoint: remove the backup when training ends, default True.
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=False,
+                         delete_checkpoint=delete_checkpoint)
+
+    def _save_model(self):
+        if distributed.rank() != 0:
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        partial = os.path.join(self.backup_dir, "partial.weights.h5")
+        self.model.save_weights(partial, overwrite=True)
+        os.replace(partial, self._weights_path)
+        metadata = f"{self._training_metadata_path}.partial"
+        with open(metadata, "w") as handle:
+            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, handle)
+        os.replace(metadata, self._training_metadata_path)
+
+    def on_train_end(self, logs=None):
+        distributed.barrier()  # nobody deletes the backup while another worker may still read it
+        if distributed.rank() == 0:
+            super().on_train_end(logs)

@@ -182,9 +182,10 @@ def add_process_set(ranks):
 
 
 def barrier():
+    """Returns once every worker has called it (eager)."""
     hvd = _hvd()
     if hvd is not None:
-        hvd.join()
+        hvd.allreduce(tf.constant(0.0), name=_name("barrier")).numpy()
 
 
 def capabilities():
