@@ -1,0 +1,92 @@
+"""Property-based sweep: every configuration either works or raises TypeError/ValueError.
+
+Never a crash of another kind, never a hang, never a silent fallback: a configuration that
+is accepted must be reflected, value for value, in the object that was built.
+"""
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keras_boost import AdaSum, AutoBoost, DynamicLossScale, FixedLossScale, GradientAccumulation, GradientFreeze
+from keras_boost.auto_boost import DEFAULTS, FEATURES, MODES
+
+SWEEP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True, allow_infinity=True),
+                     st.text(max_size=6), st.lists(st.integers(-3, 200), max_size=3))
+
+
+def accepted_or_clear_error(build):
+    try:
+        return build()
+    except (TypeError, ValueError):
+        return None
+
+
+@SWEEP
+@given(level=st.one_of(st.sampled_from(["O0", "O1", "O2"]), st.text(max_size=3)),
+       mode=st.one_of(st.sampled_from(MODES), anything),
+       switches=st.dictionaries(st.sampled_from([*FEATURES, "dim_reduce", "bogus"]), anything, max_size=3),
+       section=st.sampled_from(list(DEFAULTS) + ["dim_reduce", "nonsense"]),
+       key=st.sampled_from(sorted({k for v in DEFAULTS.values() for k in v} | {"device_num", "n_component"})),
+       value=anything)
+def test_autoboost_configuration_space(level, mode, switches, section, key, value):
+    config = {"boost": {"mode": mode, **switches}, section: {key: value}}
+    auto = accepted_or_clear_error(lambda: AutoBoost(level, config))
+    if auto is None:
+        return
+    assert auto.level in ("O0", "O1", "O2") and auto.mode in MODES
+    assert auto.params[section][key] == value  # accepted means used, not dropped
+    json.dumps(auto.get_config())  # and it can be written back
+    if auto.mode != "manual":
+        assert not [k for k in switches if k in FEATURES]
+
+
+@SWEEP
+@given(init=anything, factor=anything, window=anything, low=anything, high=anything, hysteresis=anything)
+def test_dynamic_loss_scale_space(init, factor, window, low, high, hysteresis):
+    scale = accepted_or_clear_error(lambda: DynamicLossScale(init, factor, window, low, high, hysteresis))
+    if scale is not None:
+        assert scale.init_scale > 0 and math.isfinite(scale.init_scale) and scale.scale_factor > 1
+        assert scale.scale_window >= 1 and scale.hysteresis >= 1
+        assert scale.min_scale <= scale.init_scale <= (scale.max_scale or math.inf)
+
+
+@SWEEP
+@given(value=anything, drop=anything, steps=anything)
+def test_fixed_scale_and_accumulation_space(value, drop, steps):
+    fixed = accepted_or_clear_error(lambda: FixedLossScale(value, drop))
+    if fixed is not None:
+        assert fixed.value == value and fixed.drop_overflow_update is drop
+    accumulation = accepted_or_clear_error(lambda: GradientAccumulation(steps))
+    if accumulation is not None:
+        assert accumulation.max_accumulation_step == steps >= 1
+
+
+@SWEEP
+@given(groups=anything, kind=anything, p=anything, total=st.one_of(st.integers(-3, 3000), anything), seed=anything)
+def test_gradient_freeze_space(groups, kind, p, total, seed):
+    freeze = accepted_or_clear_error(lambda: GradientFreeze(groups, kind, p, total, seed))
+    if freeze is not None:
+        sequence = freeze.generate_freeze_index_sequence()
+        assert len(sequence) >= int(total * 1.01)
+        assert sequence.min() >= 0 and sequence.max() < max(groups, 1)
+
+
+@SWEEP
+@given(rank=anything, device_number=anything, group_number=anything, backend=anything)
+def test_adasum_space(rank, device_number, group_number, backend):
+    stage = accepted_or_clear_error(lambda: AdaSum(rank, device_number, group_number, None, backend))
+    if stage is not None:
+        assert stage.backend in ("auto", "native", "exact")
+
+
+@pytest.mark.parametrize("bad", ["{'boost': 1}", "__import__('os').system('false')", "[1, 2"])
+def test_configuration_files_are_json_only(tmp_path, bad):
+    path = tmp_path / "config.json"
+    path.write_text(bad)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        AutoBoost("O1", str(path))
