@@ -153,26 +153,33 @@ def test_round_robin_without_strategy_and_gradient_freeze_default_groups():
     assert train(model, batches(12)) == expected[:12].tolist()
 
 
-def _checkpointed_run(directory, interrupt_at=None):
+def _checkpointed_run(directory, interrupt_at=None, how="save_weights"):
     data = batches(8)
     model, _ = freeze_compile(deep_mlp(), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 2, 1, 2])
     if interrupt_at is None:
         return train(model, data), model
     groups = train(model, data[:interrupt_at])
-    # model.save_weights holds the layers, the optimizer state and the boost state
-    model.save_weights(str(directory / "run.weights.h5"))
+    # model.save_weights and tf.train.Checkpoint hold the layers, the optimizer state and the boost state
+    if how == "save_weights":
+        model.save_weights(str(directory / "run.weights.h5"))
+    else:
+        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(directory / "ckpt"))
     # a fresh process would start here: other weights, a new optimizer, position 0
     resumed, _ = freeze_compile(deep_mlp(seed=9), keras.optimizers.SGD(0.05, momentum=0.9), strategy=[0, 2, 1, 2])
     assert position(resumed) == 0
-    resumed.load_weights(str(directory / "run.weights.h5"))
+    if how == "save_weights":
+        resumed.load_weights(str(directory / "run.weights.h5"))
+    else:
+        tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(path).assert_consumed()
     assert position(resumed) == interrupt_at % 4
     assert int(resumed.optimizer.iterations.numpy()) == interrupt_at
     return groups + train(resumed, data[interrupt_at:]), resumed
 
 
-def test_resumed_run_continues_the_schedule_bit_identically(tmp_path):
+@pytest.mark.parametrize("how", ["save_weights", "tf_checkpoint"])
+def test_resumed_run_continues_the_schedule_bit_identically(tmp_path, how):
     groups, model = _checkpointed_run(tmp_path)
-    resumed_groups, resumed = _checkpointed_run(tmp_path, interrupt_at=3)
+    resumed_groups, resumed = _checkpointed_run(tmp_path, interrupt_at=3, how=how)
     assert groups == resumed_groups == [0, 2, 1, 2, 0, 2, 1, 2]
     for a, b in zip(weights(model), weights(resumed)):
         assert np.array_equal(a, b)
