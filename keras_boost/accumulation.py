@@ -57,10 +57,6 @@ class GradientAccumulation:
             state.add_state(f"accumulation/{index}", 0.0, "float32", shape=tuple(v.shape))
             for index, v in enumerate(variables)
         ]
-        # tf.train.Checkpoint follows attributes, not the weight list `add_weight` appends
-        # to: without these edges a checkpoint taken mid-window would lose the window.
-        for variable in (self.micro_step, *self.accumulators):
-            setattr(state, variable.name, variable)
 
     def accumulate(self, grads, indices):
         """Adds the micro-batch gradients of the variables at `indices`; returns True at a boundary."""

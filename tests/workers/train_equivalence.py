@@ -39,7 +39,9 @@ def main():
     model = compile_sgd(mlp(BoostModel, seed=rank + 7), gradient_accumulation=ACCUMULATION)  # start apart
     xs, ys = (interleave_shard(a, per_worker * ACCUMULATION, rank, size) for a in (x, y))
     # within one accumulation window the micro-batches of a worker are consecutive rows
-    model.set_weights(mlp(keras.Model, seed=0).get_weights()) if rank == 0 else None
+    if rank == 0:  # the others start elsewhere: fit must broadcast rank 0's weights
+        for variable, value in zip(model.trainable_variables, mlp(keras.Model, seed=0).get_weights()):
+            variable.assign(value)
     history = model.fit(xs, ys, batch_size=per_worker, epochs=2, shuffle=False, verbose=0)
     evaluation = model.evaluate(xs, ys, batch_size=32, verbose=0, return_dict=True)
     digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
