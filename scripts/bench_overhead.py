@@ -13,11 +13,9 @@ time of the one fused allreduce of the demo model's gradients, per step.
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from bench_common import StepTimer
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,18 +23,6 @@ import tensorflow as tf  # noqa: E402
 
 from keras_boost import BoostModel, DynamicLossScale, FixedLossScale, distributed  # noqa: E402
 from keras_boost.models import demo_resnet  # noqa: E402
-
-
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def make(model_class, weights, **boost):

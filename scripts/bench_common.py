@@ -1,0 +1,24 @@
+"""Shared by the benchmark scripts: the repository on sys.path and a per-step timer."""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Wall time of every training batch (the first ones include tracing: drop them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
