@@ -92,6 +92,31 @@ def _build_for_sync(model):
         model.optimizer.build(model.trainable_variables)
 
 
+def _name_collectives_per_trace(model):
+    """Makes the names of the collectives in a traced train step independent of the trace count.
+
+    Horovod pairs the tensors of the workers by name, and keras_boost names its collectives
+    from a process-wide counter. A worker that joins builds its Keras metrics in its first
+    trace, so TensorFlow traces its train step twice (once creating variables), while a
+    survivor retraces once: the counters, hence the names, would differ and the first
+    allreduce would wait forever. Restarting the counter at the start of every trace gives
+    every worker the same names. (Installed once per model, as an instance attribute.)
+    """
+    if getattr(model, "_keras_boost_per_trace_names", False):
+        return
+    train_step = model.train_step
+
+    def per_trace_train_step(data):
+        graph = tf.compat.v1.get_default_graph()
+        if tf.inside_function() and not getattr(graph, "_keras_boost_names_restarted", False):
+            graph._keras_boost_names_restarted = True
+            distributed._state.op_index = 0
+        return train_step(data)
+
+    model.train_step = per_trace_train_step
+    model._keras_boost_per_trace_names = True
+
+
 def _broadcast_object(obj):
     if distributed.size() == 1 and not distributed.launched():
         return obj
@@ -194,6 +219,7 @@ class _BoostModelStateMixin:
         distributed.init()
         _build_for_sync(model)
         _check_adasum(_adasum(model))
+        _name_collectives_per_trace(model)
         self.model = model
         self.variables = _state_variables(model)
         self.resets = 0
