@@ -125,6 +125,16 @@ def _name(prefix):
     return f"keras_boost.{prefix}.{_state.op_index}"
 
 
+def reset_collective_names():
+    """Restarts the numbering of collective names; call at the same point on every worker.
+
+    Horovod pairs the workers' tensors by name. Restarting at the start of every trace of
+    the train step makes the names independent of how often a worker traced (a worker
+    that joins an elastic job traces once more than the others, for instance).
+    """
+    _state.op_index = 0
+
+
 def grouped_allreduce(tensors, average=True, process_set=None):
     """Averages (or sums) a list of tensors across workers in one fused collective."""
     tensors = list(tensors)

@@ -46,10 +46,15 @@ from keras_boost.callbacks import BroadcastGlobalVariablesCallback
 
 logger = logging.getLogger("keras_boost")
 
-_DEFAULT_ATTRIBUTES = ("epoch", "batch", "samples", "history")
-# Substrings of the TensorFlow error messages of a Horovod collective that failed because a
-# peer went away (Gloo: connection closed / timed out; Horovod: shut down, op aborted).
-_HOROVOD_OPS = ("Horovod", "horovod", "gloo", "Gloo")
+# Substrings of the TensorFlow error message of a Horovod collective that failed because a
+# peer went away ("Horovod has been shut down. ...", a Gloo connection/timeout error). Only
+# message lines count, not the "File ..." lines of the traceback TensorFlow appends.
+_HOROVOD_FAILURE_WORDS = ("Horovod", "gloo", "Gloo")
+
+
+def _failure_lines(error):
+    lines = (line.strip() for line in str(getattr(error, "message", error)).splitlines())
+    return [line for line in lines if line and not line.startswith("File ")]
 
 
 def elastic_launch():
@@ -79,7 +84,7 @@ def _build_for_sync(model):
     if not model.built:
         raise ValueError("The model must be built before its elastic state is made: build it "
                          "(e.g. model.build(input_shape) or one call on a batch) first")
-    if model.optimizer is None:
+    if getattr(model, "optimizer", None) is None:
         raise ValueError("The model must be compiled before its elastic state is made")
     step = getattr(model, "boost_step", None)
     if step is not None and not step.built:
@@ -90,31 +95,6 @@ def _build_for_sync(model):
             step.adasum = adasum
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-
-
-def _name_collectives_per_trace(model):
-    """Makes the names of the collectives in a traced train step independent of the trace count.
-
-    Horovod pairs the tensors of the workers by name, and keras_boost names its collectives
-    from a process-wide counter. A worker that joins builds its Keras metrics in its first
-    trace, so TensorFlow traces its train step twice (once creating variables), while a
-    survivor retraces once: the counters, hence the names, would differ and the first
-    allreduce would wait forever. Restarting the counter at the start of every trace gives
-    every worker the same names. (Installed once per model, as an instance attribute.)
-    """
-    if getattr(model, "_keras_boost_per_trace_names", False):
-        return
-    train_step = model.train_step
-
-    def per_trace_train_step(data):
-        graph = tf.compat.v1.get_default_graph()
-        if tf.inside_function() and not getattr(graph, "_keras_boost_names_restarted", False):
-            graph._keras_boost_names_restarted = True
-            distributed._state.op_index = 0
-        return train_step(data)
-
-    model.train_step = per_trace_train_step
-    model._keras_boost_per_trace_names = True
 
 
 def _broadcast_object(obj):
@@ -219,7 +199,6 @@ class _BoostModelStateMixin:
         distributed.init()
         _build_for_sync(model)
         _check_adasum(_adasum(model))
-        _name_collectives_per_trace(model)
         self.model = model
         self.variables = _state_variables(model)
         self.resets = 0
@@ -239,7 +218,7 @@ class _BoostModelStateMixin:
     def sync(self):
         # Collective names must match on every worker; a worker that just joined starts
         # counting from zero, so the survivors do too (their compiled functions are retraced).
-        distributed._state.op_index = 0
+        distributed.reset_collective_names()
         _rebuild_adasum(self.model)
         if distributed.size() > 1:
             distributed.broadcast_variables(self.variables, root_rank=0)
@@ -248,7 +227,7 @@ class _BoostModelStateMixin:
 
     def reset(self):
         self.resets += 1
-        distributed._state.op_index = 0
+        distributed.reset_collective_names()
         model = self.model
         # The compiled functions hold collectives traced for the old workers (their number,
         # the AdaSum groups); Keras retraces them on the next fit/evaluate/predict.
@@ -301,8 +280,7 @@ def _is_horovod_failure(error):
     if isinstance(error, HorovodInternalError):
         return True
     if isinstance(error, tf.errors.OpError):
-        message = str(getattr(error, "message", error))
-        return any(word in message for word in _HOROVOD_OPS)
+        return any(word in line for line in _failure_lines(error) for word in _HOROVOD_FAILURE_WORDS)
     return False
 
 
@@ -352,8 +330,9 @@ def run(func):
             raise
         except Exception as error:  # noqa: BLE001 - only Horovod failures are translated
             if _is_horovod_failure(error):
-                logger.warning("keras_boost.elastic: a collective failed (%s); restoring the last commit",
-                               str(error).splitlines()[0] if str(error) else type(error).__name__)
+                lines = [line for line in _failure_lines(error) if any(w in line for w in _HOROVOD_FAILURE_WORDS)]
+                reason = lines[-1][:300] if lines else type(error).__name__
+                logger.warning("keras_boost.elastic: a collective failed, restoring the last commit: %s", reason)
                 raise HorovodInternalError(error) from error
             raise
 

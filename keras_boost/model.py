@@ -172,6 +172,10 @@ class BoostModel(keras.Model):
     def train_step(self, data):
         if self.boost_step is None:
             raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
+        graph = tf.compat.v1.get_default_graph()
+        if tf.inside_function() and not getattr(graph, "_keras_boost_names_restarted", False):
+            graph._keras_boost_names_restarted = True  # once per trace, even with steps_per_execution > 1
+            distributed.reset_collective_names()
         if not self.boost_step.built and not all(layer.built for layer in self._flatten_layers()):
             # The TensorFlow trainer defers building subclassed models to the first trace;
             # the boost step needs the variables first.
