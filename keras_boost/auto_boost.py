@@ -60,7 +60,8 @@ DEFAULTS = {
 SECTIONS = ("boost", *DEFAULTS)
 
 
-def _read_config(boost_config):
+def read_config(boost_config):
+    """A configuration dict from a dict, a JSON file path (read with json.load only) or None."""
     if boost_config is None or boost_config == "":
         return {}
     if isinstance(boost_config, (str, os.PathLike)):
@@ -105,7 +106,7 @@ class AutoBoost:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
         self.level = level
-        config = _read_config(boost_config)
+        config = read_config(boost_config)
         _check_keys("<top level>", config, SECTIONS)
         boost = config.get("boost", {})
         _check_keys("boost", boost, ("mode", *FEATURES, *UNSUPPORTED_FEATURES))

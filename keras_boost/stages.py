@@ -4,10 +4,10 @@ from keras_boost.accumulation import GradientAccumulation
 
 
 def accumulation_option(value):
-    """None, an int number of micro-batches per update, or a `GradientAccumulation`."""
-    if value is None or isinstance(value, GradientAccumulation):
-        return None if value is not None and value.max_accumulation_step == 1 else value
-    stage = GradientAccumulation(value)
+    """None, an int number of micro-batches per update, or a `GradientAccumulation` (1 means off)."""
+    if value is None:
+        return None
+    stage = value if isinstance(value, GradientAccumulation) else GradientAccumulation(value)
     return None if stage.max_accumulation_step == 1 else stage
 
 

@@ -1,6 +1,5 @@
 """The recipes behind `keras-boost train` and `keras-boost bench`: data, model, level, fit."""
 
-import json
 import os
 import time
 
@@ -8,7 +7,7 @@ import keras
 import numpy as np
 
 from keras_boost import data, distributed
-from keras_boost.auto_boost import AutoBoost
+from keras_boost.auto_boost import read_config
 from keras_boost.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
 from keras_boost.models import demo_resnet
@@ -56,7 +55,8 @@ def build_model(name, seed=0):
 
 
 def _boost_config(args, updates):
-    config = json.load(open(args.config)) if args.config else {}
+    """The --config file (JSON only), with the freeze schedule sized to this run by default."""
+    config = read_config(args.config) if args.config else {}
     config.setdefault("grad_freeze", {}).setdefault("total_steps", max(updates, 1))
     return config
 
