@@ -16,6 +16,7 @@ compiled step with `tf.switch_case`; only the taken branch runs, so the backward
 through the frozen prefix is never computed.
 """
 
+import functools
 import numbers
 
 import keras
@@ -137,7 +138,7 @@ class BoostTrainOneStep:
             loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)
         else:
             group = self.freeze.current_group()
-            branches = [self._branch_fn(indices, x, y, sample_weight) for indices in self._groups]
+            branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
             loss, y_pred = tf.switch_case(group, branches)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         self.model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
@@ -154,13 +155,6 @@ class BoostTrainOneStep:
         if self.freeze is not None:
             logs.update(self.freeze.logs())
         return logs
-
-    def _branch_fn(self, indices, x, y, sample_weight):
-        def branch():
-            loss, y_pred = self._branch(indices, x, y, sample_weight)
-            return loss, y_pred
-
-        return branch
 
     def _branch(self, indices, x, y, sample_weight):
         """Forward, backward for the variables at `indices` only, then the update stages."""
