@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from bench_common import StepTimer  # noqa: F401  (puts the repository on sys.path)
+import bench_common  # noqa: F401  (puts the repository on sys.path)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
