@@ -24,6 +24,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_boost import AdaSum, BoostModel, data, distributed  # noqa: E402
+from keras_boost.cli import _positive_float  # noqa: E402  (the CLI's check of a learning rate)
 from keras_boost.training import build_model, load_dataset  # noqa: E402
 
 KINDS = ("avg", "adasum")
@@ -34,13 +35,7 @@ def parse_run(text):
     kind, _, rate = text.partition(":")
     if kind not in KINDS:
         raise argparse.ArgumentTypeError(f"run kind must be one of {KINDS}, got {kind!r} in {text!r}")
-    try:
-        lr = float(rate)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"learning rate must be a float, got {rate!r} in {text!r}") from None
-    if not lr > 0:
-        raise argparse.ArgumentTypeError(f"learning rate must be > 0, got {lr} in {text!r}")
-    return kind, lr
+    return kind, _positive_float(rate)
 
 
 class EpochEval(keras.callbacks.Callback):
