@@ -1,18 +1,36 @@
-"""keras_boost: MindSpore-style boost features for Keras 3 on TensorFlow, distributed with Horovod."""
+"""keras_boost: MindSpore's boost features for Keras 3 on TensorFlow, distributed with Horovod.
 
-from keras_boost import callbacks, distributed
-from keras_boost.accumulation import GradientAccumulation
-from keras_boost.adasum import AdaSum
-from keras_boost.auto_boost import AutoBoost
-from keras_boost.centralization import GradientCentralization
-from keras_boost.freeze import FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence, split_parameters_groups
-from keras_boost.layers import FNHead
-from keras_boost.less_bn import LessBN
-from keras_boost.loss_scale import DynamicLossScale, FixedLossScale
+The public surface: `BoostModel`; the stages (`DynamicLossScale`, `FixedLossScale`,
+`GradientAccumulation`, `GradientFreeze`, `GradientCentralization`, `AdaSum`); the graph
+rewrite (`LessBN`, `FNHead`); MindSpore's names and flows (`AutoBoost`, `FreezeOpt`,
+`freeze_cell`, `OptimizerProcess`, `ParameterProcess`, `BoostTrainOneStep`,
+`BoostTrainOneStepWithLossScale`); and the modules `distributed`, `callbacks`, `elastic`,
+`step` (the stage contract and registry, for writing your own stage).
+"""
+
+from keras_boost import _keras_compat  # noqa: F401 - checks the Keras version first
+from keras_boost import distributed, step
+from keras_boost.compat.auto_boost import AutoBoost
+from keras_boost.compat.params import OptimizerProcess, ParameterProcess
+from keras_boost.distributed import callbacks, elastic
+from keras_boost.graph.layers import FNHead
+from keras_boost.graph.less_bn import LessBN
 from keras_boost.model import BoostModel
-from keras_boost.params import OptimizerProcess, ParameterProcess
-from keras_boost.state import BoostState
-from keras_boost.step import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+from keras_boost.stages.accumulation import GradientAccumulation
+from keras_boost.stages.adasum import AdaSum
+from keras_boost.stages.centralization import GradientCentralization
+from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence,
+                                       split_parameters_groups)
+from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
+from keras_boost.step.loop import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+from keras_boost.step.state import BoostState
+
+import sys as _sys
+
+# `keras_boost.callbacks` and `keras_boost.elastic` are public module paths too
+# (`from keras_boost.callbacks import BackupAndRestore`); they live in distributed/.
+_sys.modules[__name__ + ".callbacks"] = callbacks
+_sys.modules[__name__ + ".elastic"] = elastic
 
 __version__ = "0.1.0"
 
@@ -20,22 +38,24 @@ __all__ = [
     "AdaSum",
     "AutoBoost",
     "BoostModel",
+    "BoostState",
+    "BoostTrainOneStep",
+    "BoostTrainOneStepWithLossScale",
+    "DynamicLossScale",
     "FNHead",
+    "FixedLossScale",
     "FreezeOpt",
+    "GradientAccumulation",
     "GradientCentralization",
     "GradientFreeze",
     "LessBN",
     "OptimizerProcess",
     "ParameterProcess",
+    "callbacks",
+    "distributed",
+    "elastic",
     "freeze_cell",
     "generate_freeze_index_sequence",
     "split_parameters_groups",
-    "BoostState",
-    "BoostTrainOneStep",
-    "BoostTrainOneStepWithLossScale",
-    "DynamicLossScale",
-    "FixedLossScale",
-    "GradientAccumulation",
-    "callbacks",
-    "distributed",
+    "step",
 ]

@@ -2,34 +2,17 @@
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional
-from keras.src.models.model import Trainer, functional_init_arguments
 
-from keras_boost import distributed
-from keras_boost.loss_scale import DynamicLossScale, LossScale, as_loss_scale
-from keras_boost.state import BoostState
-from keras_boost.step import BoostTrainOneStep
-
-
-def _loss_scale_option(loss_scale):
-    """`compile(loss_scale=...)`: None/"auto", "dynamic", a number, a tensor or a stage."""
-    if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "auto"):
-        policy = keras.config.dtype_policy().name
-        return DynamicLossScale() if policy == "mixed_float16" else None
-    if isinstance(loss_scale, str):
-        if loss_scale == "dynamic":
-            return DynamicLossScale()
-        raise ValueError(f"loss_scale must be None, 'auto', 'dynamic', a number, a scalar tensor or a "
-                         f"LossScale, got {loss_scale!r}")
-    if isinstance(loss_scale, LossScale):
-        return loss_scale
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return as_loss_scale(tf.constant(float(loss_scale)), name="loss_scale")
-    return as_loss_scale(loss_scale, name="loss_scale")
+from keras_boost import _keras_compat, distributed
+from keras_boost._keras_compat import Functional, Trainer, functional_init_arguments
+from keras_boost.config import BoostConfig
+from keras_boost.step import registry
+from keras_boost.step.loop import BoostTrainOneStep
+from keras_boost.step.state import BoostState
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
-class BoostModel(keras.Model):
+class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     """A `keras.Model` trained by the boost step, with gradients averaged across Horovod workers.
 
     Build it like any Keras model, functionally (`BoostModel(inputs, outputs)`) or by
@@ -40,7 +23,7 @@ class BoostModel(keras.Model):
     workers, and the progress bar is shown on rank 0 only.
 
     Boost options of `compile` (all off by default):
-        sens: scale of the loss gradient (the seed's `sens`), default 1.0.
+        sens: scale of the loss gradient (MindSpore's `sens`), default 1.0.
         loss_scale: None or "auto" (dynamic scaling under the `mixed_float16` policy,
             none otherwise), "dynamic", a number or scalar tensor (fixed), or a
             `DynamicLossScale` / `FixedLossScale`.
@@ -52,8 +35,11 @@ class BoostModel(keras.Model):
             update whose averaged gradient is not finite, before it reaches the weights
             (default True; False applies it anyway, like plain Keras).
         gradient_split_groups: None (one fused allreduce per update) or increasing indices
-            into `trainable_variables` at which to start a new fused allreduce (the seed's
+            into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
+        stages: more `keras_boost.step.Stage` objects to run in the step.
+        **kwargs: Keras' own compile arguments, and the options of stages registered
+            with `keras_boost.step.registry.register`.
 
     Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`):
         the level's LessBN rewrite is applied to the graph when the model is built, and
@@ -79,9 +65,8 @@ class BoostModel(keras.Model):
     def __init__(self, *args, boost_level=None, boost_config=None, **kwargs):
         auto_boost = None
         if boost_level is not None or boost_config is not None:
-            from keras_boost.auto_boost import AutoBoost
-
-            auto_boost = AutoBoost(boost_level or "O0", boost_config)
+            auto_boost = BoostConfig(boost_level or "O0", boost_config)
+            registry.validate_level(auto_boost)
         if isinstance(self, Functional):
             Trainer.__init__(self)
             args, kwargs, report = _rewritten_graph(auto_boost, args, kwargs)
@@ -102,29 +87,19 @@ class BoostModel(keras.Model):
     # --------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
-                nan_guard=True, **kwargs):
-        from keras_boost import stages
-
+                nan_guard=True, stages=(), **kwargs):
+        given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
+                 "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
+                 "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
+        for option in registry.options():  # options of stages registered by users
+            if option in kwargs:
+                given[option] = kwargs.pop(option)
+        if self.auto_boost is not None:  # the level's stages, unless given explicitly
+            for name, value in registry.level_options(self.auto_boost).items():
+                given[name] = value if given.get(name) is None else given[name]
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
-        given = {"gradient_accumulation": gradient_accumulation, "gradient_freeze": gradient_freeze,
-                 "gradient_centralization": gradient_centralization, "adasum": adasum,
-                 "gradient_split_groups": gradient_split_groups}
-        if self.auto_boost is not None:  # the level's stages, unless given explicitly
-            for name, value in self.auto_boost.compile_options(self).items():
-                given[name] = value if given[name] is None else given[name]
-        self.boost_step = BoostTrainOneStep(
-            self,
-            self.optimizer,
-            sens=sens,
-            loss_scale=_loss_scale_option(loss_scale),
-            gradient_accumulation=stages.accumulation_option(given["gradient_accumulation"]),
-            gradient_freeze=stages.freeze_option(given["gradient_freeze"]),
-            gradient_centralization=stages.centralization_option(given["gradient_centralization"], self),
-            adasum=stages.adasum_option(given["adasum"]),
-            gradient_split_groups=given["gradient_split_groups"],
-            nan_guard=nan_guard,
-        )
+        self.boost_step = BoostTrainOneStep(self, self.optimizer, sens=sens, stages=stages, **given)
         if self.built:
             self.boost_step.build(self.boost_state)
 
@@ -141,30 +116,23 @@ class BoostModel(keras.Model):
         auto_boost = config.pop("auto_boost", None)
         model = super().from_config(config, custom_objects=custom_objects)  # the graph is already rewritten
         if auto_boost is not None:
-            from keras_boost.auto_boost import AutoBoost
-
-            model.auto_boost = AutoBoost(**auto_boost)
+            model.auto_boost = BoostConfig(**auto_boost)
         return model
 
     def get_compile_config(self):
         config = super().get_compile_config()
         if config is not None and self.boost_step is not None:
-            from keras_boost import stages
-
-            config["boost"] = stages.step_config(self.boost_step)
+            config["boost"] = registry.step_config(self.boost_step)
         return config
 
     def compile_from_config(self, config):
         # Keras skips compile for models that override it; BoostModel restores its boost
         # options (and so the boost state variables) along with Keras' own.
-        from keras_boost import stages
-
         config = dict(config)
         boost = config.pop("boost", {})
         config = keras.saving.deserialize_keras_object(config)
         optimizer = config.pop("optimizer", "rmsprop")
-        self.compile(optimizer=optimizer, **config,
-                     **stages.options_from_config(boost, self, keras.optimizers.get(optimizer)))
+        self.compile(optimizer=optimizer, **config, **registry.options_from_config(boost))
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
@@ -172,25 +140,19 @@ class BoostModel(keras.Model):
     def train_step(self, data):
         if self.boost_step is None:
             raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
-        graph = tf.compat.v1.get_default_graph()
-        if tf.inside_function() and not getattr(graph, "_keras_boost_names_restarted", False):
-            graph._keras_boost_names_restarted = True  # once per trace, even with steps_per_execution > 1
-            distributed.reset_collective_names()
-        if not self.boost_step.built and not all(layer.built for layer in self._flatten_layers()):
+        if not self.boost_step.built and not all(layer.built for layer in _keras_compat.flatten_layers(self)):
             # The TensorFlow trainer defers building subclassed models to the first trace;
             # the boost step needs the variables first.
-            self._symbolic_build(data_batch=data)
+            _keras_compat.symbolic_build(self, data)
         self.boost_step.build(self.boost_state)
         return self.boost_step(data)
 
     # ------------------------------------------------------ worker agreement
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
-        from keras_boost.callbacks import BroadcastGlobalVariablesCallback
-
-        from keras_boost.callbacks import NonFiniteGuard
+        from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback, NonFiniteGuard
 
         callbacks = list(callbacks or [])
-        if self.boost_step is not None and self.boost_step.nan_guard and self.boost_step.loss_scale is None:
+        if self.boost_step is not None and self.boost_step.nan_guard:
             callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
@@ -209,23 +171,16 @@ class BoostModel(keras.Model):
         averaged = distributed.grouped_allreduce(values, average=True)
         return {n: float(v.numpy()) for n, v in zip(names, averaged)}
 
-    def _get_metrics_result_or_logs(self, logs):
-        # The step's logs carry boost scalars besides the metrics; Keras only swaps in the
-        # (worker-averaged) metric results when the keys match, so split them off first.
-        boost_keys = set(self.boost_step.logs()) if self.boost_step is not None and self.boost_step.built else set()
-        if not isinstance(logs, dict) or not boost_keys & set(logs):
-            return super()._get_metrics_result_or_logs(logs)
-        metrics = {k: v for k, v in logs.items() if k not in boost_keys}
-        result = dict(super()._get_metrics_result_or_logs(metrics))
-        result.update({k: v for k, v in logs.items() if k in boost_keys})
-        return result
+    def extra_log_keys(self):
+        # The step's logs carry boost scalars besides the metrics (see BoostLogsMixin).
+        return set(self.boost_step.logs()) if self.boost_step is not None and self.boost_step.built else set()
 
 
 def _rewritten_graph(auto_boost, args, kwargs):
     """The functional (inputs, outputs) after the level's LessBN rewrite, and its report."""
     if auto_boost is None or not auto_boost.enabled("less_bn"):
         return args, kwargs, None
-    from keras_boost.less_bn import LessBN
+    from keras_boost.graph.less_bn import LessBN
 
     kwargs = dict(kwargs)
     inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]

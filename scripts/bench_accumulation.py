@@ -34,7 +34,7 @@ COMMAND = "TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python scripts/bench_accumulation.py
 
 
 def load_data(n):
-    from keras_boost.data import load_fashion_mnist, synthetic
+    from keras_boost.app.data import load_fashion_mnist, synthetic
 
     try:
         x, y = load_fashion_mnist("train")
@@ -48,7 +48,7 @@ def single(accumulation, micro_batch, windows, repeats):
     """One configuration in this process; prints one JSON line."""
     import keras
 
-    from keras_boost.models import demo_resnet
+    from keras_boost.app.demo_net import demo_resnet
 
     keras.utils.set_random_seed(0)
     samples = micro_batch * 8 * windows  # whole windows for every N in 1, 2, 4, 8
@@ -82,7 +82,7 @@ def comm(micro_batch, iters):
     import tensorflow as tf
 
     from keras_boost import distributed
-    from keras_boost.models import demo_resnet
+    from keras_boost.app.demo_net import demo_resnet
 
     distributed.init()
     shapes = [tuple(v.shape) for v in demo_resnet().trainable_weights]

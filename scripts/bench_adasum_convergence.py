@@ -4,7 +4,7 @@ Run under a launcher, e.g.
     OMPI_MCA_mpi_yield_when_idle=1 horovodrun -np 4 -H localhost:4 --mpi \\
         .venv/bin/python scripts/bench_adasum_convergence.py --runs avg:0.1 avg:0.2 adasum:0.1
 
-Every run trains the demo model (keras_boost.models.demo_resnet, SGD with momentum 0.9)
+Every run trains the demo model (keras_boost.app.demo_net.demo_resnet, SGD with momentum 0.9)
 from the same initial weights on the same shards of Fashion-MNIST, one run after the
 other in this one launch, so that all of them see the same machine. `avg:LR` is a
 BoostModel without boost stages (gradients averaged across all workers: one large batch
@@ -24,8 +24,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_boost import AdaSum, BoostModel, data, distributed  # noqa: E402
-from keras_boost.cli import _positive_float  # noqa: E402  (the CLI's check of a learning rate)
-from keras_boost.training import build_model, load_dataset  # noqa: E402
+from keras_boost.app.cli import _positive_float  # noqa: E402  (the CLI's check of a learning rate)
+from keras_boost.app.training import build_model, load_dataset  # noqa: E402
 
 KINDS = ("avg", "adasum")
 

@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_boost import FreezeOpt, GradientFreeze, split_parameters_groups  # noqa: E402
-from keras_boost.data import load_fashion_mnist  # noqa: E402
-from keras_boost.models import demo_resnet  # noqa: E402
+from keras_boost.app.data import load_fashion_mnist  # noqa: E402
+from keras_boost.app.demo_net import demo_resnet  # noqa: E402
 
 GROUPS = 10
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_boost import BoostModel, LessBN, data  # noqa: E402
-from keras_boost.models import demo_resnet  # noqa: E402
+from keras_boost.app.demo_net import demo_resnet  # noqa: E402
 
 
 def compiled(model, **boost):

@@ -15,7 +15,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_boost import BoostModel  # noqa: E402
-from keras_boost.models import demo_resnet  # noqa: E402
+from keras_boost.app.demo_net import demo_resnet  # noqa: E402
 
 CONFIGS = {
     "O0": (None, None),

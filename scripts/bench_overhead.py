@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_boost import BoostModel, DynamicLossScale, FixedLossScale, distributed  # noqa: E402
-from keras_boost.models import demo_resnet  # noqa: E402
+from keras_boost.app.demo_net import demo_resnet  # noqa: E402
 
 
 def make(model_class, weights, **boost):

@@ -12,7 +12,7 @@ HVD_VERSION="0.28.1"
 CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
 DATA_DIR="/usr/share/datasets/fashion-mnist"
 APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist)
-PY_PACKAGES=("tensorflow-cpu==$TF_VERSION" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
+PY_PACKAGES=("tensorflow-cpu==$TF_VERSION" "keras>=3.15,<3.16" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
 
 step() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
@@ -83,7 +83,7 @@ fi
 
 step "5/5 keras_boost (editable) and the keras-boost command"
 if [ "$(cd /tmp && "$PY" -c 'import os, keras_boost; print(os.path.dirname(os.path.dirname(keras_boost.__file__)))' 2>/dev/null)" != "$ROOT" ] \
-   || [ ! -x "$VENV/bin/keras-boost" ]; then
+   || [ ! -x "$VENV/bin/keras-boost" ] || ! "$VENV/bin/keras-boost" --help >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null || die "pip install -e $ROOT failed"
 fi
 "$VENV/bin/keras-boost" --help >/dev/null || die "the keras-boost command does not run"

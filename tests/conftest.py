@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BOOST_COUNT_COLLECTIVES", "1")  # tests read distributed.allreduce_count()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

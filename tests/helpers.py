@@ -4,8 +4,6 @@ import keras
 import numpy as np
 
 from keras_boost import BoostModel
-
-
 def mlp(model_class=BoostModel, inputs=8, hidden=16, classes=4, seed=0):
     """A two-layer MLP without BatchNorm or dropout, with seeded initial weights."""
     keras.utils.set_random_seed(seed)

@@ -25,6 +25,7 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None):
            "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
     full_env = dict(os.environ)
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+                     "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
                      "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
                      # idle MPI ranks yield the core instead of spinning (2 cores, up to 4 ranks)
                      "OMPI_MCA_mpi_yield_when_idle": "1"})

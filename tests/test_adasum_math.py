@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_boost import adasum_ops
-from keras_boost.adasum_ops import adasum_pair, adasum_tree, combine, exact_adasum_allreduce
+from keras_boost.stages import adasum_ops
+from keras_boost.stages.adasum_ops import adasum_pair, adasum_tree, combine, exact_adasum_allreduce
 
 
 def np_pair(a, b, eps=0.0):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_boost import AdaSum, AutoBoost, DynamicLossScale, FixedLossScale, GradientAccumulation, GradientFreeze
-from keras_boost.auto_boost import DEFAULTS, FEATURES, MODES
+from keras_boost.config import DEFAULTS, FEATURES, MODES
 
 SWEEP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True, allow_infinity=True),

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_boost.centralization import GradientCentralization, gc_variables
-from keras_boost.layers import FNHead
+from keras_boost.stages.centralization import GradientCentralization, gc_variables
+from keras_boost.graph.layers import FNHead
 
 
 def _zoo():

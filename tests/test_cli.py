@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "keras_boost.cli"]
+CLI = [sys.executable, "-m", "keras_boost.app.cli"]
 
 
 def keras_boost(*args, timeout=300):

@@ -4,8 +4,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import distributed
-
-
 def test_single_process_defaults():
     assert not distributed.launched()
     assert (distributed.size(), distributed.rank(), distributed.local_rank(), distributed.local_size()) == (1, 0, 0, 1)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_boost import freeze
-from keras_boost.freeze import (
+from keras_boost.stages import freeze
+from keras_boost.stages.freeze import (
     FreezeOpt,
     GradientFreeze,
     freeze_cell,

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_boost.layers import FNHead
+from keras_boost.graph.layers import FNHead
 
 
 def _numpy_fn(x, kernel, multiplier):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from keras_boost import BoostModel
-from keras_boost.layers import FNHead
-from keras_boost.less_bn import LessBN, LessBNReport
+from keras_boost.graph.layers import FNHead
+from keras_boost.graph.less_bn import LessBN, LessBNReport
 
 BN = keras.layers.BatchNormalization
 X32 = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
@@ -162,7 +162,7 @@ def test_boost_model_input_gives_a_boost_model():
 
 
 def test_report_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="keras_boost.less_bn"):
+    with caplog.at_level(logging.INFO, logger="keras_boost.graph.less_bn"):
         lean = LessBN(residual_cnn())
     assert lean.less_bn_report.summary() in caplog.text
     assert "removed 4 of 8" in caplog.text

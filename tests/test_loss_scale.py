@@ -127,8 +127,8 @@ def test_scale_sense_variable_is_changed_from_the_host():
     ("dynamic", TypeError, "scale_sense must be"),
     (1024.0, TypeError, "scale_sense must be"),
     (None, TypeError, "scale_sense must be"),
-    (tf.constant(-1.0), ValueError, "scale_sense must be > 0"),
-    (tf.constant(np.nan), ValueError, "scale_sense must be finite"),
+    (tf.constant(-1.0), ValueError, "`scale_sense` must be a finite number > 0, got -1.0"),
+    (tf.constant(np.nan), ValueError, "`scale_sense` must be a finite number > 0, got nan"),
 ])
 def test_bad_scale_sense(sense, error, match):
     with pytest.raises(error, match=match):
@@ -136,17 +136,17 @@ def test_bad_scale_sense(sense, error, match):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"init_scale": 0}, ValueError, "init_scale must be > 0"),
-    ({"init_scale": float("nan")}, ValueError, "init_scale must be finite"),
-    ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
-    ({"scale_factor": 1}, ValueError, "scale_factor must be > 1"),
-    ({"scale_window": 0}, ValueError, "scale_window must be >= 1"),
-    ({"scale_window": 2.5}, TypeError, "scale_window must be an integer"),
-    ({"min_scale": 0}, ValueError, "min_scale must be > 0"),
+    ({"init_scale": 0}, ValueError, "`init_scale` must be a finite number > 0, got 0"),
+    ({"init_scale": float("nan")}, ValueError, "`init_scale` must be a finite number > 0, got nan"),
+    ({"init_scale": "big"}, TypeError, "`init_scale` must be a finite number > 0, got 'big'"),
+    ({"scale_factor": 1}, ValueError, "`scale_factor` must be a finite number > 1, got 1"),
+    ({"scale_window": 0}, ValueError, "`scale_window` must be a positive int, got 0"),
+    ({"scale_window": 2.5}, TypeError, "`scale_window` must be a positive int, got 2.5"),
+    ({"min_scale": 0}, ValueError, "`min_scale` must be a finite number > 0, got 0"),
     ({"min_scale": 4, "max_scale": 2, "init_scale": 3}, ValueError, "max_scale .* must be >= min_scale"),
     ({"init_scale": 2**20, "max_scale": 2**10}, ValueError, "init_scale .* must lie in"),
-    ({"hysteresis": 0}, ValueError, "hysteresis must be >= 1"),
-    ({"hysteresis": True}, TypeError, "hysteresis must be an integer"),
+    ({"hysteresis": 0}, ValueError, "`hysteresis` must be a positive int, got 0"),
+    ({"hysteresis": True}, TypeError, "`hysteresis` must be a positive int, got True"),
 ])
 def test_bad_dynamic_scale(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -154,9 +154,9 @@ def test_bad_dynamic_scale(kwargs, error, match):
 
 
 def test_bad_fixed_scale_and_compile_option():
-    with pytest.raises(ValueError, match="value must be > 0"):
+    with pytest.raises(ValueError, match="`value` must be a finite number > 0"):
         FixedLossScale(0.0)
-    with pytest.raises(TypeError, match="drop_overflow_update must be a bool"):
+    with pytest.raises(TypeError, match="`drop_overflow_update` must be a bool"):
         FixedLossScale(2.0, drop_overflow_update="yes")
     with pytest.raises(ValueError, match="loss_scale must be None, 'auto', 'dynamic'"):
         compile_sgd(mlp(), loss_scale="static")

@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_boost import BoostModel, data
-
+from keras_boost import BoostModel
+from keras_boost.app import data
 _RESULTS = {}
 
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_boost
 from keras_boost import BoostModel, BoostTrainOneStep
-from keras_boost.models import demo_resnet
+from keras_boost.app.demo_net import demo_resnet
 from tests.helpers import classification_data, compile_sgd, max_diff, mlp, weights
 
 
@@ -118,5 +118,5 @@ def test_nan_guard_opt_out_applies_like_keras():
     model = compile_sgd(mlp(), nan_guard=False)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert not all(np.isfinite(w).all() for w in weights(model))
-    with pytest.raises(TypeError, match="nan_guard must be a bool"):
+    with pytest.raises(TypeError, match="`nan_guard` must be a bool"):
         compile_sgd(mlp(), nan_guard="yes")

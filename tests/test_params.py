@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_boost.centralization import GradientCentralization, gc_variables
-from keras_boost.less_bn import LessBN
-from keras_boost.params import OptimizerProcess, ParameterProcess
+from keras_boost.stages.centralization import GradientCentralization, gc_variables
+from keras_boost.graph.less_bn import LessBN
+from keras_boost.compat.params import OptimizerProcess, ParameterProcess
 
 
 def _cnn():

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import keras_boost  # noqa: F401 - registers the classes, as a user's import does
 from keras_boost import BoostModel, DynamicLossScale, GradientFreeze
-from keras_boost.models import demo_resnet
+from keras_boost.app.demo_net import demo_resnet
 
 
 def trained_o1_model(steps=6):

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from common import report
 
-from keras_boost import adasum_ops, distributed
-
+from keras_boost import distributed
+from keras_boost.stages import adasum_ops
 SPECS = [  # name, shape, dtype
     ("scalar", (1,), np.float32),
     ("scalar_2d", (1, 1), np.float32),

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 from keras_boost import AdaSum, DynamicLossScale, distributed
-from keras_boost.adasum_ops import adasum_tree
+from keras_boost.stages.adasum_ops import adasum_tree
 from tests.helpers import classification_data, compile_sgd, mlp, weights
 
 DEVICE_NUMBER = int(sys.argv[1]) if len(sys.argv) > 1 else 1

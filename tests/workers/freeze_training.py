@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from keras_boost import BoostModel, GradientFreeze, distributed
-from keras_boost.data import shard, synthetic
+from keras_boost.app.data import shard, synthetic
 
 EPOCHS, BATCH, STEPS_PER_EPOCH = 3, 16, 6
 

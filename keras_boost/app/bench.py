@@ -6,7 +6,7 @@ import time
 import keras
 
 from keras_boost import distributed
-from keras_boost.training import boost_report, prepare
+from keras_boost.app.training import boost_report, prepare
 
 
 class _EpochClock(keras.callbacks.Callback):

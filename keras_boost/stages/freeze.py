@@ -19,6 +19,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_boost import _keras_compat
+from keras_boost._validation import check_int, check_real
+from keras_boost.step.contract import Stage
+
 CONTINUOUS_STRATEGY = 0  # "0000…01234…": zeros, then every partial group in turn
 INTERVAL_STRATEGY = 1  # "0 k 0 0 k 0 …": full steps interleaved with sampled groups
 
@@ -36,26 +40,12 @@ _NORMALIZATION_LAYERS = tuple(
 )
 
 
-def _check_int(name, value, minimum, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"`{name}` must be >= {minimum}{upper}, got {value!r}.")
-    return int(value)
+_check_int = check_int
 
 
 def _check_freeze_p(freeze_p):
-    real = (int, float, np.integer, np.floating)
-    if isinstance(freeze_p, bool) or not isinstance(freeze_p, real):
-        raise TypeError(
-            f"`freeze_p` must be a float in (0, 1], got {freeze_p!r} ({type(freeze_p).__name__})."
-        )
-    if not 0 < freeze_p <= 1:
-        raise ValueError(
-            f"`freeze_p` (the share of full, unfrozen steps) must be in (0, 1], got {freeze_p!r}."
-        )
-    return float(freeze_p)
+    return check_real("freeze_p", freeze_p, low=0, low_inclusive=False, high=1,
+                      allowed="a number in (0, 1] (the share of full, unfrozen steps)")
 
 
 def _check_strategy(freeze_strategy, name="freeze_strategy"):
@@ -75,7 +65,7 @@ def _check_seed(seed):
 def _sublayers(layer):
     if isinstance(layer, keras.Model):
         return layer.layers  # forward (topological) order for functional models
-    return layer._flatten_layers(include_self=False, recursive=False)
+    return _keras_compat.flatten_layers(layer, include_self=False, recursive=False)
 
 
 def _walk(layer, seen):
@@ -529,7 +519,7 @@ class GradientFreeze:
         return cls(**config)
 
 
-class FreezeSchedule:
+class FreezeSchedule(Stage):
     """The gradient-freeze stage of the boost step: which group trains, and where the sequence stands.
 
     Made from a `GradientFreeze` (groups split from the model when the step is built) or
@@ -538,14 +528,38 @@ class FreezeSchedule:
     accumulation window trains one group) and wraps around at the end of the sequence.
     """
 
+    option = "gradient_freeze"
+
     def __init__(self, source):
-        if not isinstance(source, (GradientFreeze, FreezeOpt)):
-            raise TypeError(f"gradient_freeze must be a GradientFreeze or a FreezeOpt, got {type(source).__name__}")
+        if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
+            raise TypeError(f"`gradient_freeze` must be a GradientFreeze or a FreezeOpt, got {type(source).__name__}")
         self.source = source
         self.plan = None
 
-    def build(self, state, model, optimizer):
+    @classmethod
+    def from_option(cls, value, model):
+        """None, a `GradientFreeze`, a `FreezeOpt` or a ready `FreezeSchedule`."""
+        if value is None or isinstance(value, FreezeSchedule):
+            return value
+        return cls(value)
+
+    def get_config(self):
+        if isinstance(self.source, GradientFreeze):
+            return {"GradientFreeze": self.source.get_config()}
+        groups = [[v.path for v in branch.variables] for branch in self.plan.branches]
+        return {"FreezeOpt": {"groups": groups, "strategy": [int(i) for i in self.plan.schedule]}}
+
+    @classmethod
+    def from_config(cls, config):
+        if "GradientFreeze" in config:
+            return cls(GradientFreeze.from_config(config["GradientFreeze"]))
+        return cls(_SavedFreezeOpt(**config["FreezeOpt"]))
+
+    def build(self, context):
+        state, model, optimizer = context.state, context.model, context.optimizer
         freeze_opt = self.source
+        if isinstance(freeze_opt, _SavedFreezeOpt):
+            freeze_opt = freeze_opt.resolve(model, optimizer)
         if isinstance(freeze_opt, GradientFreeze):
             _, freeze_opt = freeze_opt.freeze_generate(model, optimizer)
         elif freeze_opt.optimizer is not optimizer:
@@ -566,6 +580,12 @@ class FreezeSchedule:
         """Per group, the indices of its variables in `model.trainable_variables`."""
         return [list(branch.indices) for branch in self.plan.branches]
 
+    def select_branch(self):
+        return self.group_indices, self.current_group
+
+    def after_update(self):
+        self.advance()
+
     def current_group(self):
         group = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
         self.last_group.assign(group)
@@ -576,3 +596,18 @@ class FreezeSchedule:
 
     def logs(self):
         return {"freeze_group": self.last_group.value}
+
+
+class _SavedFreezeOpt:
+    """A FreezeOpt read back from a saved configuration: groups by variable path, resolved at build."""
+
+    def __init__(self, groups, strategy):
+        self.groups = groups
+        self.strategy = strategy
+
+    def resolve(self, model, optimizer):
+        variables = {v.path: v for v in model.trainable_variables}
+        missing = [p for group in self.groups for p in group if p not in variables]
+        if missing:
+            raise ValueError(f"the saved boost configuration names variables this model does not have: {missing[:3]}")
+        return FreezeOpt(optimizer, [[variables[p] for p in group] for group in self.groups], self.strategy)

@@ -1,6 +1,6 @@
-"""AutoBoost: boost levels O0/O1/O2, modes and the configuration schema.
+"""Boost levels O0/O1/O2, modes and the configuration schema (no TensorFlow, no Horovod).
 
-The seed's `AutoBoost(level, kwargs)` without its defects: each AutoBoost is its own
+`BoostConfig` is the value behind MindSpore's `AutoBoost(level, kwargs)`, without its defects: each AutoBoost is its own
 value (no process-wide singleton), an unknown level, mode, section or key raises
 `ValueError` listing the valid ones, values are validated when the AutoBoost is made,
 and AdaSum really runs in O2 (together with freezing).
@@ -28,19 +28,9 @@ by keras_boost: switching them on raises `ValueError`.
 
 import copy
 import json
-import logging
 import os
 
-import keras
-
-from keras_boost.adasum import AdaSum
-from keras_boost.centralization import gc_variables, GradientCentralization
-from keras_boost.freeze import GradientFreeze
-from keras_boost.accumulation import GradientAccumulation
-from keras_boost.less_bn import LessBN
-from keras_boost.step import _check_split_points
-
-logger = logging.getLogger("keras_boost")
+from keras_boost._validation import check_bool
 
 FEATURES = ("less_bn", "grad_freeze", "adasum", "grad_accumulation")
 UNSUPPORTED_FEATURES = ("dim_reduce", "loss_scale_group")
@@ -83,23 +73,24 @@ def _check_keys(where, given, valid):
         raise ValueError(f"unknown key(s) {unknown} in boost_config[{where!r}]; valid keys: {sorted(valid)}")
 
 
-def _check_bool(where, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{where} must be true or false, got {value!r}")
-    return value
+_check_bool = check_bool
 
 
-class AutoBoost:
-    """Turns a boost level and a configuration into the boost of a Keras model.
+class BoostConfig:
+    """A boost level and its configuration, validated (the value behind `AutoBoost`).
 
     Args:
         level: "O0", "O1" or "O2". Default "O0".
         boost_config: a dict or the path of a JSON file (see the module docstring), or None.
 
-    Example:
-        >>> auto = keras_boost.AutoBoost("O1", {"grad_freeze": {"total_steps": 5000}})
-        >>> model, optimizer = auto.network_auto_process_train(model, optimizer)
-        >>> model.compile(optimizer=optimizer, loss=...)
+    Attributes:
+        level, mode: as given (mode defaults to "auto").
+        features: {feature: bool} for "less_bn", "grad_freeze", "adasum", "grad_accumulation".
+        params: every section with its defaults filled in.
+
+    The schema (sections, keys, switches) is checked here; the values of each feature are
+    checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
+    `BoostModel` and `AutoBoost` call at construction.
     """
 
     def __init__(self, level="O0", boost_config=None):
@@ -119,7 +110,9 @@ class AutoBoost:
             given = config.get(section, {})
             _check_keys(section, given, defaults)
             self.params[section].update(given)
-        self._validate()
+        less_bn = self.params["less_bn"]
+        _check_bool("boost_config['less_bn']['fn_flag']", less_bn["fn_flag"])
+        _check_bool("boost_config['less_bn']['gc_flag']", less_bn["gc_flag"])
         self.boost_config = config
 
     def _features(self, boost):
@@ -140,76 +133,12 @@ class AutoBoost:
             return dict.fromkeys(FEATURES, False)
         return dict(LEVELS[self.level])
 
-    def _validate(self):
-        """Builds every stage once so that bad values fail now, not during training."""
-        less_bn = self.params["less_bn"]
-        _check_bool("boost_config['less_bn']['fn_flag']", less_bn["fn_flag"])
-        _check_bool("boost_config['less_bn']['gc_flag']", less_bn["gc_flag"])
-        GradientFreeze(**self.params["grad_freeze"])
-        GradientAccumulation(self.params["grad_accumulation"]["grad_accumulation_step"])
-        common = self.params["common"]
-        AdaSum(device_number=common["device_number"], backend=self.params["adasum"]["backend"])
-        _check_split_points(common["gradient_split_groups"])
-
     def enabled(self, feature):
         return self.features[feature]
-
-    # ----------------------------------------------------------- processing
-    def network_auto_process_train(self, model, optimizer):
-        """Returns `(model, optimizer)` ready for `compile`: LessBN applied when on, stages attached.
-
-        The returned model is a `BoostModel` carrying this AutoBoost; its `compile` turns
-        on gradient centralization, freezing, AdaSum and accumulation as configured.
-        """
-        from keras_boost.params import OptimizerProcess
-
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-        model = self.rewrite(model, fn_flag=self.params["less_bn"]["fn_flag"])
-        if self.features["less_bn"]:
-            optimizer = OptimizerProcess(optimizer).generate_new_optimizer()
-        model.auto_boost = self
-        return model, optimizer
-
-    def network_auto_process_eval(self, model):
-        """The model to evaluate with: LessBN-rewritten (without FN) unless it already is."""
-        if self.features["less_bn"] and getattr(model, "less_bn_report", None) is None:
-            return self.rewrite(model, fn_flag=False)
-        return model
-
-    def rewrite(self, model, fn_flag):
-        """LessBN of `model` when less_bn is on, as a BoostModel; the input model is unchanged."""
-        from keras_boost.model import BoostModel
-
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
-        if self.features["less_bn"]:
-            model = LessBN(model, fn_flag=fn_flag)
-        if not isinstance(model, BoostModel):
-            report = getattr(model, "less_bn_report", None)
-            model = BoostModel(model.inputs, model.outputs, name=model.name)
-            model.less_bn_report = report
-        return model
-
-    def compile_options(self, model):
-        """The `BoostModel.compile` stage options this AutoBoost switches on for `model`."""
-        options = {}
-        if self.features["less_bn"] and self.params["less_bn"]["gc_flag"]:
-            options["gradient_centralization"] = GradientCentralization(gc_variables(model))
-        if self.features["grad_freeze"]:
-            options["gradient_freeze"] = GradientFreeze(**self.params["grad_freeze"])
-        if self.features["adasum"]:
-            options["adasum"] = AdaSum(device_number=self.params["common"]["device_number"],
-                                       backend=self.params["adasum"]["backend"])
-        if self.features["grad_accumulation"]:
-            options["gradient_accumulation"] = self.params["grad_accumulation"]["grad_accumulation_step"]
-        if self.params["common"]["gradient_split_groups"] is not None:
-            options["gradient_split_groups"] = self.params["common"]["gradient_split_groups"]
-        return options
 
     def get_config(self):
         return {"level": self.level, "boost_config": copy.deepcopy(self.boost_config)}
 
     def __repr__(self):
         on = [k for k, v in self.features.items() if v]
-        return f"AutoBoost(level={self.level!r}, mode={self.mode!r}, features={on})"
+        return f"{type(self).__name__}(level={self.level!r}, mode={self.mode!r}, features={on})"

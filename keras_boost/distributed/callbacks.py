@@ -7,7 +7,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost import distributed
+from keras_boost import _keras_compat, distributed
+from keras_boost._validation import check_int, check_real
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -25,9 +26,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank=0):
         super().__init__()
-        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
-            raise ValueError(f"root_rank must be a non-negative integer, got {root_rank!r}")
-        self.root_rank = root_rank
+        self.root_rank = check_int("root_rank", root_rank, 0)
 
     def on_train_begin(self, logs=None):
         if distributed.size() > 1:
@@ -50,8 +49,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self._seen = self._count()
 
     def _count(self):
-        variable = getattr(self.model.boost_step, "nonfinite_updates", None)
-        return 0 if variable is None else int(variable.numpy())
+        guard = self.model.boost_step.stage("nan_guard")
+        return 0 if guard is None or guard.nonfinite_updates is None else int(guard.nonfinite_updates.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
         count = self._count()
@@ -130,16 +129,14 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr=None, warmup_epochs=5, start_factor=None, steps_per_epoch=None, verbose=0):
         super().__init__()
-        if initial_lr is not None and (isinstance(initial_lr, bool) or not isinstance(initial_lr, (int, float))
-                                       or initial_lr <= 0):
-            raise ValueError(f"initial_lr must be a positive number or None, got {initial_lr!r}")
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, (int, float)) or warmup_epochs <= 0:
-            raise ValueError(f"warmup_epochs must be a positive number, got {warmup_epochs!r}")
-        if start_factor is not None and (isinstance(start_factor, bool) or not isinstance(start_factor, (int, float))
-                                         or not 0 < start_factor <= 1):
-            raise ValueError(f"start_factor must be in (0, 1] or None, got {start_factor!r}")
-        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
-            raise ValueError(f"steps_per_epoch must be a positive integer or None, got {steps_per_epoch!r}")
+        if initial_lr is not None:
+            check_real("initial_lr", initial_lr, low=0, low_inclusive=False, allowed="None or a finite number > 0")
+        check_real("warmup_epochs", warmup_epochs, low=0, low_inclusive=False)
+        if start_factor is not None:
+            check_real("start_factor", start_factor, low=0, low_inclusive=False, high=1,
+                       allowed="None or a number in (0, 1]")
+        if steps_per_epoch is not None:
+            check_int("steps_per_epoch", steps_per_epoch, 1, allowed="None or a positive int")
         self.initial_lr = initial_lr
         self.warmup_epochs = warmup_epochs
         self.start_factor = start_factor
@@ -157,8 +154,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         self._factor0 = self.start_factor if self.start_factor is not None else 1.0 / distributed.size()
         self._steps = self._warmup_steps()
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            self._original_schedule = optimizer._learning_rate
+        schedule = _keras_compat.learning_rate_schedule(optimizer)
+        if schedule is not None:
+            self._original_schedule = schedule
             optimizer.learning_rate = WarmupSchedule(self._original_schedule, self._steps, self._factor0)
         elif self.initial_lr is None:
             self.initial_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
@@ -207,8 +205,7 @@ class BoostScalarsCallback(keras.callbacks.Callback):
 
     def __init__(self, log_dir, update_freq=1):
         super().__init__()
-        if not isinstance(update_freq, int) or isinstance(update_freq, bool) or update_freq < 1:
-            raise ValueError(f"update_freq must be a positive integer, got {update_freq!r}")
+        check_int("update_freq", update_freq, 1)
         self.log_dir = str(log_dir)
         self.update_freq = update_freq
         self._writer = None
@@ -224,7 +221,8 @@ class BoostScalarsCallback(keras.callbacks.Callback):
             return
         step = self._batches
         scalars = dict(self.model.boost_step.logs()) if getattr(self.model, "boost_step", None) else {}
-        scalars["collectives"] = distributed.allreduce_count()
+        if distributed.counting():
+            scalars["collectives"] = distributed.allreduce_count()
         with self._writer.as_default(step=step):
             for name, value in scalars.items():
                 tf.summary.scalar(f"boost/{name}", float(keras.ops.convert_to_numpy(value)))
@@ -234,7 +232,7 @@ class BoostScalarsCallback(keras.callbacks.Callback):
             self._writer.flush()
 
 
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
+class BackupAndRestore(_keras_compat.BackupAndRestoreBase):
     """Keras' `BackupAndRestore` for Horovod jobs: rank 0 writes, atomically; every rank restores.
 
     The weights file (model, optimizer and boost state) and the metadata are written to
@@ -254,17 +252,18 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=False,
                          delete_checkpoint=delete_checkpoint)
 
-    def _save_model(self):
+    def save_backup(self):
         if distributed.rank() != 0:
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         partial = os.path.join(self.backup_dir, "partial.weights.h5")
         self.model.save_weights(partial, overwrite=True)
-        os.replace(partial, self._weights_path)
-        metadata = f"{self._training_metadata_path}.partial"
+        os.replace(partial, self.weights_path)
+        metadata = f"{self.metadata_path}.partial"
+        epoch, batch = self.position()
         with open(metadata, "w") as handle:
-            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, handle)
-        os.replace(metadata, self._training_metadata_path)
+            json.dump({"epoch": epoch, "batch": batch}, handle)
+        os.replace(metadata, self.metadata_path)
 
     def on_train_end(self, logs=None):
         distributed.barrier()  # nobody deletes the backup while another worker may still read it

@@ -6,11 +6,12 @@ import time
 import keras
 import numpy as np
 
-from keras_boost import data, distributed
-from keras_boost.auto_boost import read_config
-from keras_boost.callbacks import rank_zero_only
+from keras_boost import distributed
+from keras_boost.app import data
+from keras_boost.config import read_config
+from keras_boost.distributed.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
-from keras_boost.models import demo_resnet
+from keras_boost.app.demo_net import demo_resnet
 
 APPLICATIONS = {
     "resnet50": "ResNet50",

@@ -10,13 +10,19 @@ on the second-to-last (input-channel) axis.
 import keras
 import tensorflow as tf
 
-from keras_boost.layers import FNHead
+from keras_boost import _keras_compat
+from keras_boost._validation import check_int
+from keras_boost.graph.layers import FNHead
+from keras_boost.step.contract import Stage
 
 _L = keras.layers
 _PLAIN_CONVS = (_L.Conv1D, _L.Conv2D, _L.Conv3D)
 
 
-class GradientCentralization:
+_MODEL_DEFAULT = object()  # `variables` left out: the model's gc_variables, chosen at build
+
+
+class GradientCentralization(Stage):
     """Centres the gradients of selected kernels: `g - mean(g, axes=all but last)`.
 
     A gradient is centred when its variable is one of `variables`, it has rank 2 or
@@ -25,8 +31,9 @@ class GradientCentralization:
     The stage has no state and works eagerly and inside `tf.function`.
 
     Args:
-        variables: list or tuple of Keras variables to centralise, usually
-            `gc_variables(model)`. May be empty (the stage is then the identity).
+        variables: list or tuple of Keras variables to centralise, or of their `path`s;
+            left out: `gc_variables(model)` of the model the step trains, resolved when
+            the step is built. May be empty (the stage is then the identity).
         min_channels_multiple: positive int; MindSpore centralises only kernels whose
             input-channel count is a multiple of 16, which leaves out the first conv of
             an RGB network. Defaults to 16; 1 centralises every selected kernel.
@@ -40,27 +47,54 @@ class GradientCentralization:
     0.0
     """
 
-    def __init__(self, variables, min_channels_multiple=16):
-        if not isinstance(variables, (list, tuple)) or not all(
-            isinstance(v, keras.Variable) for v in variables
-        ):
+    option = "gradient_centralization"
+
+    def __init__(self, variables=_MODEL_DEFAULT, min_channels_multiple=16):
+        if variables is not _MODEL_DEFAULT and (not isinstance(variables, (list, tuple)) or not (
+            all(isinstance(v, keras.Variable) for v in variables) or all(isinstance(v, str) for v in variables)
+        )):
             raise TypeError(
-                "`variables` must be a list or tuple of keras.Variable, got "
-                f"{_describe(variables)}."
+                "`variables` must be a list or tuple of keras.Variable (or of variable paths), or be left out for "
+                f"the model's `gc_variables`, got {_describe(variables)}."
             )
-        if isinstance(min_channels_multiple, bool) or not isinstance(min_channels_multiple, int):
-            raise TypeError(
-                "`min_channels_multiple` must be a positive int, got "
-                f"{min_channels_multiple!r}."
-            )
-        if min_channels_multiple < 1:
-            raise ValueError(
-                "`min_channels_multiple` must be a positive int, got "
-                f"{min_channels_multiple}."
-            )
+        self.min_channels_multiple = check_int("min_channels_multiple", min_channels_multiple, 1)
+        self.variables, self._selected = [], set()
+        # None or paths are resolved from the model when the step is built.
+        self._resolve_at_build = variables is _MODEL_DEFAULT or any(isinstance(v, str) for v in variables)
+        self._paths = None if variables is _MODEL_DEFAULT else list(variables)
+        if not self._resolve_at_build:
+            self._select(variables)
+
+    def _select(self, variables):
         self.variables = list(variables)
-        self.min_channels_multiple = min_channels_multiple
-        self._selected = {id(v) for v in variables}
+        self._selected = {id(v) for v in self.variables}
+
+    @classmethod
+    def from_option(cls, value, model):
+        """None/False, True (the variables of `gc_variables(model)`) or a `GradientCentralization`."""
+        if value is True:
+            return cls()
+        return super().from_option(value, model)
+
+    def build(self, context):
+        if not self._resolve_at_build:
+            return
+        model = context.model
+        if self._paths is None:
+            self._select(gc_variables(model))
+        else:
+            by_path = {v.path: v for v in model.trainable_variables}
+            missing = [p for p in self._paths if p not in by_path]
+            if missing:
+                raise ValueError(f"`variables` names variables the model does not have: {missing[:3]}")
+            self._select([by_path[p] for p in self._paths])
+        self._resolve_at_build = False
+
+    def transform(self, grads, variables):
+        return self.apply(grads, variables)
+
+    def get_config(self):
+        return {"variables": [v.path for v in self.variables], "min_channels_multiple": self.min_channels_multiple}
 
     def applies_to(self, variable):
         """Whether the gradient of `variable` gets centralised."""
@@ -128,8 +162,7 @@ def gc_variables(model):
     if not isinstance(model, _L.Layer):
         raise TypeError(f"`model` must be a Keras layer or model, got {type(model).__name__}.")
     selected, seen = [], set()
-    # Keras has no public walk over nested layers; _flatten_layers lists them all.
-    for layer in model._flatten_layers():
+    for layer in _keras_compat.flatten_layers(model):
         for variable in _layer_gc_variables(layer):
             if id(variable) not in seen:
                 seen.add(id(variable))

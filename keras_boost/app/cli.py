@@ -73,7 +73,7 @@ def _relaunch(args, argv):
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
     cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", f"--{args.controller}",
-           sys.executable, "-m", "keras_boost.cli", *_without_np(argv)]
+           sys.executable, "-m", "keras_boost.app.cli", *_without_np(argv)]
     print("launching: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -83,7 +83,7 @@ def _train(args, argv):
 
     if args.np > 1 and not distributed.launched():
         return _relaunch(args, argv)
-    from keras_boost.training import run_training
+    from keras_boost.app.training import run_training
 
     result = run_training(args)
     if distributed.rank() == 0:
@@ -96,7 +96,7 @@ def _bench(args, argv):
 
     if args.np > 1 and not distributed.launched():
         return _relaunch(args, argv)
-    from keras_boost.bench import run_bench
+    from keras_boost.app.bench import run_bench
 
     table = run_bench(args)
     if distributed.rank() == 0:
@@ -106,7 +106,7 @@ def _bench(args, argv):
 
 
 def _add_training_options(parser, epochs):
-    from keras_boost.training import DATASETS, MODELS
+    from keras_boost.app.training import DATASETS, MODELS
 
     parser.add_argument("--model", default="demo", choices=MODELS, help="demo (residual CNN) or a keras.applications "
                         "family (trained from scratch on 32x32x3 copies of the images)")

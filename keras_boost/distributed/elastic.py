@@ -42,7 +42,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import distributed
-from keras_boost.callbacks import BroadcastGlobalVariablesCallback
+from keras_boost._validation import check_int
+from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback
 
 logger = logging.getLogger("keras_boost")
 
@@ -216,9 +217,8 @@ class _BoostModelStateMixin:
         super().restore()
 
     def sync(self):
-        # Collective names must match on every worker; a worker that just joined starts
-        # counting from zero, so the survivors do too (their compiled functions are retraced).
-        distributed.reset_collective_names()
+        # Collective names are numbered per trace, so a worker that just joined and the
+        # survivors (whose compiled functions are retraced) name them alike.
         _rebuild_adasum(self.model)
         if distributed.size() > 1:
             distributed.broadcast_variables(self.variables, root_rank=0)
@@ -227,7 +227,6 @@ class _BoostModelStateMixin:
 
     def reset(self):
         self.resets += 1
-        distributed.reset_collective_names()
         model = self.model
         # The compiled functions hold collectives traced for the old workers (their number,
         # the AdaSum groups); Keras retraces them on the next fit/evaluate/predict.
@@ -358,8 +357,7 @@ class CommitStateCallback(keras.callbacks.Callback):
 
     def __init__(self, state, batches_per_commit=1, samples_per_batch=None):
         super().__init__()
-        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
-            raise ValueError(f"batches_per_commit must be a positive integer, got {batches_per_commit!r}")
+        check_int("batches_per_commit", batches_per_commit, 1)
         self.state = state
         self.batches_per_commit = batches_per_commit
         self.samples_per_batch = samples_per_batch
@@ -440,8 +438,7 @@ def fit_elastic(model, x, y=None, state=None, *, batch_size, epochs, batches_per
     for key in ("epochs", "initial_epoch", "shuffle", "validation_split", "steps_per_epoch"):
         if key in fit_kwargs:
             raise TypeError(f"fit_elastic sets {key} itself")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_int("batch_size", batch_size, 1)
     if state is None:
         state = BoostModelState(model)
     n = len(tf.nest.flatten(x)[0])

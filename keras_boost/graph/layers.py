@@ -7,6 +7,8 @@
 import keras
 from keras import ops
 
+from keras_boost._validation import check_int
+
 # MindSpore's L2Normalize default epsilon, applied to the squared norm.
 _EPSILON = 1e-4
 
@@ -42,11 +44,7 @@ class FNHead(keras.layers.Layer):
 
     def __init__(self, units, kernel_initializer="glorot_uniform", **kwargs):
         super().__init__(**kwargs)
-        if isinstance(units, bool) or not isinstance(units, int):
-            raise TypeError(f"`units` must be a positive int, got {units!r}.")
-        if units < 1:
-            raise ValueError(f"`units` must be a positive int, got {units}.")
-        self.units = units
+        self.units = check_int("units", units, 1)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 
     @classmethod

@@ -1,6 +1,6 @@
 """AdaSum as a stage of the boost step: adaptive summation of the workers' weight deltas.
 
-The seed's hierarchical AdaSum (Maleki et al., MLSys 2021): workers form groups of
+MindSpore's hierarchical AdaSum (Maleki et al., MLSys 2021): workers form groups of
 `device_number` (a node); gradients are averaged inside each group; every worker takes a
 normal local optimizer step; the weight deltas `old - new` are combined across groups
 with the recursive pairwise AdaSum rule, per tensor; the new weights are
@@ -11,18 +11,20 @@ The combine runs on Horovod's native `op=hvd.Adasum` where Horovod can (an MPI l
 power-of-two number of groups, and groups that are contiguous power-of-two blocks of
 ranks or single workers: inside a group the deltas are identical and AdaSum(a, a) = a),
 and on the exact keras_boost implementation of the same tree everywhere else (Gloo,
-other group counts). See `keras_boost.adasum_ops` and docs/adasum.md.
+other group counts). See `keras_boost.stages.adasum_ops` and docs/adasum.md.
 
 The old weights are read inside the step just before the local update, so AdaSum keeps
 no state between steps that a checkpoint would have to carry.
 """
 
 import logging
-import numbers
 
 import tensorflow as tf
 
-from keras_boost import adasum_ops, distributed
+from keras_boost import distributed
+from keras_boost._validation import check_choice, check_optional_int
+from keras_boost.stages import adasum_ops
+from keras_boost.step.contract import Stage
 
 logger = logging.getLogger("keras_boost")
 
@@ -31,18 +33,8 @@ def _power_of_two(n):
     return n >= 1 and n & (n - 1) == 0
 
 
-def _check_optional_int(name, value, minimum):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer or None, got {value!r} of type {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-class AdaSum:
-    """Combines the workers' weight deltas by Adaptive Summation (the seed's `AdaSum`).
+class AdaSum(Stage):
+    """Combines the workers' weight deltas by Adaptive Summation (MindSpore's `AdaSum`).
 
     Args:
         rank: this worker's rank; default: Horovod's. Must match it when given.
@@ -61,17 +53,23 @@ class AdaSum:
         ...               adasum=keras_boost.AdaSum(device_number=1))
     """
 
+    option = "adasum"
+    needs_finite = False
+
     def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto"):
-        self.rank = _check_optional_int("rank", rank, 0)
-        self.device_number = _check_optional_int("device_number", device_number, 1)
-        self.group_number = _check_optional_int("group_number", group_number, 1)
-        if backend not in adasum_ops.BACKENDS:
-            raise ValueError(f"backend must be one of {adasum_ops.BACKENDS}, got {backend!r}")
-        self.backend = backend
+        self.rank = check_optional_int("rank", rank, 0)
+        self.device_number = check_optional_int("device_number", device_number, 1)
+        self.group_number = check_optional_int("group_number", group_number, 1)
+        self.backend = check_choice("backend", backend, adasum_ops.BACKENDS)
         self.parameter_tuple = tuple(parameter_tuple) if parameter_tuple is not None else None
-        self.built = False
-        if distributed.launched():
-            self._resolve_topology()
+        self.built = False  # the topology (and Horovod) is resolved at build, never at construction
+
+    @classmethod
+    def from_option(cls, value, model):
+        """None/False, True, or an `AdaSum` stage."""
+        if value is True:
+            return cls()
+        return super().from_option(value, model)
 
     # ------------------------------------------------------------- topology
     def _resolve_topology(self):
@@ -87,9 +85,9 @@ class AdaSum:
         self.topology = (size, rank, device_number, groups)
         return self.topology
 
-    def build(self, state, variables):
+    def build(self, context):
         """Registers the Horovod process sets (the same calls, in the same order, on every worker)."""
-        del state  # AdaSum keeps no state between steps
+        variables = context.variables  # AdaSum keeps no state between steps
         if self.built:
             return
         size, rank, device_number, groups = self._resolve_topology()
@@ -129,6 +127,12 @@ class AdaSum:
             return grads
         return distributed.grouped_allreduce(grads, average=True, process_set=self.inner_set)
 
+    def reduce(self, grads, indices):
+        return self.reduce_gradients(grads)
+
+    def agree_finite(self, finite):
+        return self.all_agree(finite)
+
     def all_agree(self, flag):
         """True on every worker only if `flag` is true on every worker (one scalar allreduce)."""
         if self.groups == 1:
@@ -136,7 +140,7 @@ class AdaSum:
         agreed = distributed.allreduce(tf.cast(flag, tf.float32), average=True)
         return tf.equal(agreed, 1.0)
 
-    def apply(self, optimizer, grads, variables):
+    def apply_update(self, optimizer, grads, variables):
         """Local optimizer step, then the weights become `old - AdaSum(old - new)` across groups."""
         if self.groups == 1:
             optimizer.apply(grads, variables)
@@ -151,7 +155,7 @@ class AdaSum:
         )
 
     def __call__(self, delta_weights, parameters, old_parameters):
-        """The seed's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
+        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
         combined = adasum_ops.combine(list(delta_weights), backend=self.combine_backend,
                                       process_set=self.outer_set)
         for variable, old, delta in zip(parameters, old_parameters, combined):

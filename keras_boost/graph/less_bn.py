@@ -56,10 +56,8 @@ import warnings
 
 import keras
 
-# Keras exports no public name for graph (functional) models.
-from keras.src.models.functional import Functional
-
-from keras_boost.layers import FNHead
+from keras_boost._keras_compat import Functional, inbound_node
+from keras_boost.graph.layers import FNHead
 
 _LOG = logging.getLogger(__name__)
 
@@ -119,7 +117,7 @@ class LessBNReport:
         )
 
 
-def LessBN(model, fn_flag=False):  # noqa: N802 - the seed's name
+def LessBN(model, fn_flag=False):  # noqa: N802 - MindSpore's name
     """Returns a copy of a functional or Sequential model without redundant BNs.
 
     See the module docstring for the rules. The result carries a `LessBNReport` as
@@ -192,8 +190,7 @@ def _graph_view(model):
 
 
 def _node_of(tensor):
-    operation, node_index, _ = tensor._keras_history
-    return operation._inbound_nodes[node_index]
+    return inbound_node(tensor)
 
 
 def _topological_nodes(tensors):

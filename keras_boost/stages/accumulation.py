@@ -7,20 +7,21 @@ optimizer's `iterations` and any learning-rate schedule advance once per update.
 
 An incomplete window carries over: the accumulators and the micro-step counter are
 variables, so the window simply continues in the next epoch (or the next `fit`, or after
-a restore). BatchNorm moving statistics update on every micro-batch, as in Keras and the
-seed, since they are updated by the forward pass.
+a restore). BatchNorm moving statistics update on every micro-batch, as in Keras and
+MindSpore, since they are updated by the forward pass.
 """
-
-import numbers
 
 import keras
 import tensorflow as tf
 
+from keras_boost._validation import check_int
+from keras_boost.step.contract import Stage, Window
 
-class GradientAccumulation:
+
+class GradientAccumulation(Stage):
     """Accumulates `max_accumulation_step` micro-batch gradients per optimizer update.
 
-    The seed's `GradientAccumulation(max_accumulation_step, optimizer)`: the applied
+    MindSpore's `GradientAccumulation(max_accumulation_step, optimizer)`: the applied
     gradient is the mean of the micro-batch gradients, each of them averaged over its
     micro-batch, so N micro-batches of b samples update the model as one batch of N·b.
 
@@ -35,14 +36,10 @@ class GradientAccumulation:
         ...               gradient_accumulation=keras_boost.GradientAccumulation(4))
     """
 
+    option = "gradient_accumulation"
+
     def __init__(self, max_accumulation_step, optimizer=None):
-        if isinstance(max_accumulation_step, bool) or not isinstance(max_accumulation_step, numbers.Integral):
-            raise TypeError(
-                "max_accumulation_step must be a positive integer, got "
-                f"{max_accumulation_step!r} of type {type(max_accumulation_step).__name__}"
-            )
-        if max_accumulation_step < 1:
-            raise ValueError(f"max_accumulation_step must be a positive integer, got {max_accumulation_step}")
+        max_accumulation_step = check_int("max_accumulation_step", max_accumulation_step, 1)
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"optimizer must be a keras.optimizers.Optimizer or None, got {type(optimizer).__name__}")
         self.max_accumulation_step = int(max_accumulation_step)
@@ -50,8 +47,17 @@ class GradientAccumulation:
         self.accumulators = []
         self.micro_step = None
 
-    def build(self, state, variables):
+    @classmethod
+    def from_option(cls, value, model):
+        """None, an int number of micro-batches per update, or a `GradientAccumulation` (1 means off)."""
+        if value is None:
+            return None
+        stage = value if isinstance(value, GradientAccumulation) else cls(value)
+        return None if stage.max_accumulation_step == 1 else stage
+
+    def build(self, context):
         """Creates the accumulators (one per trainable variable) and the micro-step counter."""
+        state, variables = context.state, context.variables
         self.micro_step = state.add_state("accumulation/micro_step", 0, "int64")
         self.accumulators = [
             state.add_state(f"accumulation/{index}", 0.0, "float32", shape=tuple(v.shape))
@@ -65,6 +71,10 @@ class GradientAccumulation:
                 self.accumulators[index].assign_add(tf.cast(grad, tf.float32))
         self.micro_step.assign_add(1)
         return self.micro_step.value >= self.max_accumulation_step
+
+    def window(self, grads, indices):
+        boundary = self.accumulate(grads, indices)
+        return Window(boundary, lambda: self.mean(indices), lambda: self.reset(indices))
 
     def mean(self, indices):
         """The mean gradient of the window for the variables at `indices`."""

@@ -1,6 +1,6 @@
 """OptimizerProcess and ParameterProcess: MindSpore's optimizer and parameter-group helpers.
 
-Keras 3 optimizers hold no parameter groups, so the seed's group dicts map onto
+Keras 3 optimizers hold no parameter groups, so MindSpore's group dicts map onto
 plain objects: gradient centralization becomes a `GradientCentralization` stage over
 a set of variables, an optimizer is rebuilt from its class and config, and groups of
 parameters are lists of variables matched across models by `variable.path`.
@@ -10,7 +10,8 @@ import copy
 
 import keras
 
-from keras_boost.centralization import GradientCentralization, gc_variables
+from keras_boost import _keras_compat
+from keras_boost.stages.centralization import GradientCentralization, gc_variables
 
 
 class OptimizerProcess:
@@ -59,7 +60,7 @@ class OptimizerProcess:
             raise TypeError(f"`model` must be a Keras layer or model, got {type(model).__name__}.")
         owners = {}
         # Outer layers come first, so the innermost owner is written last.
-        for layer in model._flatten_layers():
+        for layer in _keras_compat.flatten_layers(model):
             for variable in layer.weights:
                 owners[id(variable)] = layer
         return owners

@@ -1,6 +1,6 @@
 """Loss scaling for mixed precision: the scale-loss / unscale / overflow / update stage.
 
-The seed's `scale_sense` is either a loss-scale "Cell" (here: `DynamicLossScale` or
+MindSpore's `scale_sense` is either a loss-scale "Cell" (here: `DynamicLossScale` or
 `FixedLossScale`) or a scalar tensor holding a fixed scale that the host may change.
 `as_loss_scale` turns any accepted form into a stage; everything else is refused when the
 step is made, never in the middle of training.
@@ -10,31 +10,26 @@ created by `build(state)`, so checkpoints and `.keras` files carry it.
 """
 
 import math
-import numbers
 
+import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_boost._validation import check_bool, check_int, check_real
+from keras_boost.step.contract import Stage
 
 DEFAULT_INIT_SCALE = 2.0**15
 
 
-def _check_number(name, value, *, low=None, low_inclusive=False, integer=False):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        kind = "an integer" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {value!r} of type {type(value).__name__}")
-    if integer and not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if low is not None and (value < low or (value == low and not low_inclusive)):
-        bound = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name} must be {bound} {low}, got {value!r}")
-    return value
+class LossScale(Stage):
+    """Base of the loss-scale stages: scale the loss, unscale gradients, decide, update.
 
+    Hooks: `scale_loss`, `local_gradients` (unscale, before accumulation), `should_skip`
+    (record the overflow, adapt the scale, skip the update), `logs`.
+    """
 
-class LossScale:
-    """Base of the loss-scale stages: scale the loss, unscale gradients, decide, update."""
-
+    option = "loss_scale"
+    needs_finite = True
     drop_overflow_update = True
 
     def __init__(self):
@@ -42,8 +37,26 @@ class LossScale:
         self.last_overflow = None
         self.overflow_count = None
 
-    def build(self, state):
-        """Creates this stage's variables in `state` (a `BoostState` layer)."""
+    @classmethod
+    def from_option(cls, value, model):
+        """`compile(loss_scale=...)`: None/"auto", "dynamic", a number, a scalar tensor or a LossScale."""
+        if value is None or (isinstance(value, str) and value == "auto"):
+            policy = keras.config.dtype_policy().name
+            return DynamicLossScale() if policy == "mixed_float16" else None
+        if isinstance(value, str):
+            if value == "dynamic":
+                return DynamicLossScale()
+            raise ValueError(f"loss_scale must be None, 'auto', 'dynamic', a number, a scalar tensor or a "
+                             f"LossScale, got {value!r}")
+        if isinstance(value, LossScale):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return as_loss_scale(tf.constant(float(value)), name="loss_scale")
+        return as_loss_scale(value, name="loss_scale")
+
+    def build(self, context):
+        """Creates this stage's variables in the step's `BoostState`."""
+        state = getattr(context, "state", context)
         self.last_overflow = state.add_state("loss_scale/last_overflow", 0, "int32")
         self.overflow_count = state.add_state("loss_scale/overflow_count", 0, "int64")
 
@@ -53,6 +66,12 @@ class LossScale:
     def unscale(self, grads):
         inverse = 1.0 / tf.convert_to_tensor(self.scale)
         return [None if g is None else g * tf.cast(inverse, g.dtype) for g in grads]
+
+    def local_gradients(self, grads, indices):
+        return self.unscale(grads)
+
+    def should_skip(self, finite):
+        return self.update(finite)
 
     def update(self, finite):
         """Records the (already global) finiteness of this update; returns whether to skip it."""
@@ -96,24 +115,25 @@ class DynamicLossScale(LossScale):
     def __init__(self, init_scale=DEFAULT_INIT_SCALE, scale_factor=2, scale_window=2000,
                  min_scale=1, max_scale=None, hysteresis=1):
         super().__init__()
-        self.init_scale = float(_check_number("init_scale", init_scale, low=0))
-        self.scale_factor = float(_check_number("scale_factor", scale_factor, low=1))
-        self.scale_window = int(_check_number("scale_window", scale_window, low=1, low_inclusive=True, integer=True))
-        self.min_scale = float(_check_number("min_scale", min_scale, low=0))
+        self.init_scale = check_real("init_scale", init_scale, low=0, low_inclusive=False)
+        self.scale_factor = check_real("scale_factor", scale_factor, low=1, low_inclusive=False)
+        self.scale_window = check_int("scale_window", scale_window, 1)
+        self.min_scale = check_real("min_scale", min_scale, low=0, low_inclusive=False)
         if max_scale is not None:
-            max_scale = float(_check_number("max_scale", max_scale, low=0))
+            max_scale = check_real("max_scale", max_scale, low=0, low_inclusive=False)
             if max_scale < self.min_scale:
                 raise ValueError(f"max_scale ({max_scale}) must be >= min_scale ({self.min_scale})")
         self.max_scale = max_scale
-        self.hysteresis = int(_check_number("hysteresis", hysteresis, low=1, low_inclusive=True, integer=True))
+        self.hysteresis = check_int("hysteresis", hysteresis, 1)
         if not self.min_scale <= self.init_scale <= (max_scale or math.inf):
             raise ValueError(
                 f"init_scale ({self.init_scale}) must lie in [min_scale, max_scale] = "
                 f"[{self.min_scale}, {max_scale}]"
             )
 
-    def build(self, state):
-        super().build(state)
+    def build(self, context):
+        super().build(context)
+        state = getattr(context, "state", context)
         self.scale = state.add_state("loss_scale/scale", self.init_scale, "float32")
         self.clean_steps = state.add_state("loss_scale/clean_steps", 0, "int64")
         self.overflow_streak = state.add_state("loss_scale/overflow_streak", 0, "int64")
@@ -141,13 +161,13 @@ class DynamicLossScale(LossScale):
 
 
 class FixedLossScale(LossScale):
-    """A constant loss scale; the seed's `FixedLossScaleManager`.
+    """A constant loss scale; MindSpore's `FixedLossScaleManager`.
 
     Args:
         value: the scale, > 0. It lives in a variable: `step.set_sense_scale(v)` or
             assigning the variable changes it between steps.
         drop_overflow_update: skip the update when a gradient is not finite (default True).
-            With False the update is applied anyway, as in the seed.
+            With False the update is applied anyway, as in MindSpore.
 
     Example:
         >>> scale = keras_boost.FixedLossScale(1024.0)
@@ -155,14 +175,13 @@ class FixedLossScale(LossScale):
 
     def __init__(self, value, drop_overflow_update=True):
         super().__init__()
-        self.value = float(_check_number("value", value, low=0))
-        if not isinstance(drop_overflow_update, bool):
-            raise TypeError(f"drop_overflow_update must be a bool, got {drop_overflow_update!r}")
-        self.drop_overflow_update = drop_overflow_update
+        self.value = check_real("value", value, low=0, low_inclusive=False)
+        self.drop_overflow_update = check_bool("drop_overflow_update", drop_overflow_update)
         self._variable = None
 
-    def build(self, state):
-        super().build(state)
+    def build(self, context):
+        super().build(context)
+        state = getattr(context, "state", context)
         self.scale = self._variable or state.add_state("loss_scale/scale", self.value, "float32")
 
     def get_config(self):
@@ -174,14 +193,14 @@ def _tensor_scale(scale_sense, name):
     if shape not in ((), (1,)):
         raise ValueError(f"The shape of {name} must be (1,) or (), but got {shape}")
     value = float(np.asarray(scale_sense).reshape(()))
-    stage = FixedLossScale(_check_number(name, value, low=0))
+    stage = FixedLossScale(check_real(name, value, low=0, low_inclusive=False))
     if hasattr(scale_sense, "assign") and shape == ():
         stage._variable = scale_sense  # the host keeps changing the user's own variable
     return stage
 
 
 def as_loss_scale(scale_sense, name="scale_sense"):
-    """Turns the seed's `scale_sense` (a LossScale, or a () / (1,) tensor) into a stage."""
+    """Turns MindSpore's `scale_sense` (a LossScale, or a () / (1,) tensor) into a stage."""
     if isinstance(scale_sense, LossScale):
         return scale_sense
     if isinstance(scale_sense, (tf.Tensor, tf.Variable, np.ndarray)) or hasattr(scale_sense, "value") and hasattr(

@@ -6,12 +6,19 @@ imported, so a plain `python train.py` costs nothing extra and works even where 
 is not installed. Under a launcher, `init()` initialises `horovod.tensorflow`; the broken
 Keras bindings (`horovod.tensorflow.keras`, `horovod.keras`) are never used.
 
-Every collective issued through this module inside a compiled step also increments
-`allreduce_count()`, a variable that tests and the boost logs read to check how often a
-step communicates.
+Collectives are named by their position in the graph being traced (Horovod pairs the
+workers' tensors by name), so the names do not depend on how often a worker traced: a
+worker that joins an elastic job traces once more than the others, and a new trace starts
+from the first name again. Eager collectives use fixed names; they run one at a time.
+
+When counting is switched on (`count_collectives(True)`, or the environment variable
+`KERAS_BOOST_COUNT_COLLECTIVES=1` before the first step is traced), every collective a
+compiled step runs also increments `allreduce_count()`; tests read it to check how often a
+step communicates. Off by default: the production step carries no counter.
 """
 
 import os
+import weakref
 
 import tensorflow as tf
 
@@ -27,8 +34,9 @@ _INSTALL_HINT = (
 class _State:
     hvd = None  # horovod.tensorflow once initialised under a launcher
     initialized = False
-    counter = None  # tf.Variable counting collectives run inside compiled steps
-    op_index = 0
+    counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
+    counting = os.environ.get("KERAS_BOOST_COUNT_COLLECTIVES", "") == "1"
+    names = weakref.WeakKeyDictionary()  # graph -> collectives named in it so far
 
 
 _state = _State()
@@ -60,8 +68,6 @@ def init():
         hvd = _import_horovod()
         hvd.init()
         _state.hvd = hvd
-    with tf.init_scope():
-        _state.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_boost_collectives")
     _state.initialized = True
 
 
@@ -106,33 +112,48 @@ def is_distributed():
     return size() > 1
 
 
+def count_collectives(enabled=True):
+    """Switches the collective counter on or off for steps traced from now on (for tests)."""
+    _state.counting = bool(enabled)
+
+
+def counting():
+    """Whether steps traced now count their collectives."""
+    return _state.counting
+
+
+def _counter():
+    if _state.counter is None:
+        with tf.init_scope():
+            _state.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_boost_collectives")
+    return _state.counter
+
+
 def allreduce_count():
-    """Number of collectives issued through this module by compiled steps so far."""
-    init()
-    return int(_state.counter.numpy())
+    """Number of collectives run by compiled steps traced while counting was on."""
+    return int(_counter().numpy())
 
 
 def _count(outputs):
     """Ties the collective counter to `outputs` (inside a graph the increment runs with them)."""
-    if tf.inside_function():
+    if _state.counting and tf.inside_function():
         with tf.control_dependencies(tf.nest.flatten(outputs)):
-            _state.counter.assign_add(1)
+            _counter().assign_add(1)
     return outputs
 
 
 def _name(prefix):
-    _state.op_index += 1
-    return f"keras_boost.{prefix}.{_state.op_index}"
-
-
-def reset_collective_names():
-    """Restarts the numbering of collective names; call at the same point on every worker.
-
-    Horovod pairs the workers' tensors by name. Restarting at the start of every trace of
-    the train step makes the names independent of how often a worker traced (a worker
-    that joins an elastic job traces once more than the others, for instance).
-    """
-    _state.op_index = 0
+    """`keras_boost.<prefix>.<n>`: n counts the collectives of the graph being traced (eager: fixed)."""
+    if not tf.inside_function():
+        return f"keras_boost.{prefix}.eager"
+    graph = tf.compat.v1.get_default_graph()
+    # Branches of a switch_case and loop bodies are graphs of their own: number the
+    # collectives of the whole trace, so that every name is unique within the step.
+    while getattr(getattr(graph, "outer_graph", None), "outer_graph", None) is not None:
+        graph = graph.outer_graph
+    index = _state.names.get(graph, 0) + 1
+    _state.names[graph] = index
+    return f"keras_boost.{prefix}.{index}"
 
 
 def grouped_allreduce(tensors, average=True, process_set=None):

@@ -1,0 +1,132 @@
+"""Every private Keras touch of keras_boost, in one place.
+
+Keras 3 has no public API for a few things keras_boost needs; each one is here with why
+it is needed and since which Keras version it is known to work. Nothing else in the
+package imports `keras.src` or reads a private Keras attribute. `import keras_boost`
+checks the Keras version first and fails with a clear message outside the tested range.
+
+Tested with Keras 3.15.1 (what TensorFlow 2.18.1 installs); the lower bound is the first
+3.x whose names below all exist (`Functional`, `functional_init_arguments`,
+`Layer._flatten_layers`, `Trainer._symbolic_build`, `Trainer._loss_tracker`,
+`Trainer._get_metrics_result_or_logs`, `BackupAndRestore._save_model`,
+`Optimizer._learning_rate`, `KerasTensor._keras_history`, `Operation._inbound_nodes`).
+"""
+
+import keras
+
+SUPPORTED_KERAS = ((3, 15), (3, 16))  # [lower, upper): the range setup.py allows
+
+
+def _version_tuple(version):
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_keras_version(version=None):
+    """Raises ImportError naming the supported range when Keras is outside it."""
+    version = version or keras.__version__
+    low, high = SUPPORTED_KERAS
+    if not low <= _version_tuple(version) < high:
+        raise ImportError(
+            f"keras_boost supports Keras >={low[0]}.{low[1]},<{high[0]}.{high[1]} (tested with 3.15.1); "
+            f"this environment has Keras {version}. Install a supported version, e.g. "
+            f"pip install 'keras>={low[0]}.{low[1]},<{high[0]}.{high[1]}'.")
+
+
+check_keras_version()
+
+# Since Keras 3.0: the functional model class. `BoostModel(inputs, outputs)` builds a
+# functional variant of the class (Keras' own mechanism rewrites a subclass's bases for
+# good, which would break every later subclass of BoostModel); LessBN rewrites graphs.
+from keras.src.models.functional import Functional  # noqa: E402
+from keras.src.models.model import functional_init_arguments  # noqa: E402
+from keras.src.trainers.trainer import Trainer  # noqa: E402
+
+
+def flatten_layers(layer, include_self=True, recursive=True):
+    """Every (nested) layer of `layer`. Since Keras 3.0; Keras has no public nested walk."""
+    return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
+
+
+def symbolic_build(model, data_batch):
+    """Builds a subclassed model from a data batch, as Keras' trainer does at its first trace.
+
+    Since Keras 3.0. The TensorFlow trainer defers building subclassed models to the first
+    trace; the boost step needs the variables before it runs.
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+def update_loss_tracker(model, loss, batch_size):
+    """Feeds the step's loss into the model's mean-loss metric, as `Trainer.compute_loss` does.
+
+    Since Keras 3.0 (`Trainer._loss_tracker`; None when the model was compiled without a loss).
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None:
+        tracker.update_state(loss, sample_weight=batch_size)
+
+
+def inbound_node(tensor):
+    """The node of the functional graph that produced a symbolic `tensor`. Since Keras 3.0."""
+    operation, node_index, _ = tensor._keras_history
+    return operation._inbound_nodes[node_index]
+
+
+def learning_rate_schedule(optimizer):
+    """The optimizer's schedule object, or None for a fixed rate.
+
+    Since Keras 3.0; `optimizer.learning_rate` evaluates a schedule instead of returning it.
+    """
+    schedule = optimizer._learning_rate
+    return schedule if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+class BoostLogsMixin:
+    """Lets a model keep non-metric scalars in its step logs (Keras 3.0+).
+
+    Keras swaps the step's logs for the (worker-averaged) metric results only when the keys
+    match exactly (`Trainer._get_metrics_result_or_logs`); a model that returns extra
+    scalars defines `extra_log_keys()` and those keys are carried through unchanged.
+    """
+
+    def extra_log_keys(self):
+        return set()
+
+    def _get_metrics_result_or_logs(self, logs):
+        extra = self.extra_log_keys()
+        if not isinstance(logs, dict) or not extra & set(logs):
+            return super()._get_metrics_result_or_logs(logs)
+        metrics = {k: v for k, v in logs.items() if k not in extra}
+        result = dict(super()._get_metrics_result_or_logs(metrics))
+        result.update({k: v for k, v in logs.items() if k in extra})
+        return result
+
+
+class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
+    """Keras' BackupAndRestore with its save routed to a public method `save_backup`.
+
+    Since Keras 3.0 `BackupAndRestore._save_model` writes the backup; keras_boost replaces
+    it with an atomic, rank-0-only write.
+    """
+
+    def save_backup(self):  # pragma: no cover - overridden
+        super()._save_model()
+
+    @property
+    def weights_path(self):
+        return self._weights_path
+
+    @property
+    def metadata_path(self):
+        return self._training_metadata_path
+
+    def position(self):
+        """(epoch, last batch seen) as Keras records them for the backup's metadata."""
+        return self._current_epoch, self._last_batch_seen
+
+    def _save_model(self):
+        self.save_backup()

@@ -1,0 +1,1 @@
+"""MindSpore's names and flows in Keras form: AutoBoost's network_auto_process_*, OptimizerProcess, ParameterProcess."""

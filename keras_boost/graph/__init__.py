@@ -1,0 +1,1 @@
+"""Rewrites of functional Keras graphs: LessBN and the FN head."""

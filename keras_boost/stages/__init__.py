@@ -1,0 +1,1 @@
+"""One boost feature per module: its pure function and its stage."""

@@ -1,0 +1,39 @@
+"""The NaN guard: without loss scaling, never write a non-finite update into the weights.
+
+MindSpore applies whatever gradient it gets unless a loss scale is on. keras_boost keeps
+a non-finite averaged gradient out of the weights (the decision is the same on every
+worker, because the averaged gradients are) and counts it; `BoostModel.fit` then stops
+with `FloatingPointError` at that batch. `compile(nan_guard=False)` applies it anyway, as
+plain Keras does. With a loss scale, the loss scale makes this decision instead.
+"""
+
+import tensorflow as tf
+
+from keras_boost._validation import check_bool
+from keras_boost.step.contract import Stage
+
+
+class NonFiniteGuard(Stage):
+    """Skips (and counts) updates whose averaged gradient is not finite (optax's `apply_if_finite`)."""
+
+    option = "nan_guard"
+    needs_finite = True
+
+    def __init__(self):
+        self.nonfinite_updates = None
+
+    @classmethod
+    def from_option(cls, value, model):
+        if value is None:
+            return None
+        if isinstance(value, NonFiniteGuard):
+            return value
+        return cls() if check_bool("nan_guard", value) else None
+
+    def build(self, context):
+        self.nonfinite_updates = context.state.add_state("guard/nonfinite_updates", 0, "int64")
+
+    def should_skip(self, finite):
+        skip = tf.logical_not(finite)
+        self.nonfinite_updates.assign_add(tf.cast(skip, tf.int64))
+        return skip

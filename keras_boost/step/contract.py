@@ -1,0 +1,135 @@
+"""The stage contract: what every boost stage implements, and the context it is built from.
+
+A boost step is a loop over stages at fixed hook points (see docs/architecture.md):
+
+    forward + loss
+    -> scale_loss        (loss)                        loss scale
+    -> gradients of the variables the step trains      (select_branch: freeze)
+    -> local_gradients   (grads, indices)              loss scale: unscale
+    -> window            (grads, indices)              accumulation: add; go on at a boundary
+    -> reduce            (grads, indices)              default: one fused allreduce; AdaSum: inside its group
+    -> agree_finite      (finite)                      AdaSum: all groups agree
+    -> should_skip       (finite)                      loss scale, NaN guard: one decision for all workers
+    -> transform         (grads, variables)            gradient centralization
+    -> apply_update      (optimizer, grads, variables) default: optimizer.apply; AdaSum: local step + combine
+    -> after_update      ()                            freeze: advance the sequence
+    -> logs              ()
+
+A stage overrides only the hooks it needs; the loop calls a hook only on the stages that
+override it. Hooks that produce a value (`reduce`, `apply_update`, `select_branch`, `window`) may
+be overridden by at most one stage of a step. Every stage is built once, eagerly, from one
+`StepContext`, and creates its state with `context.state.add_state(...)`, so checkpoints
+carry it. `get_config()` returns plain JSON values (variables by `path`), and
+`from_config(config)` rebuilds the stage; variables named by path are resolved at `build`.
+
+A stage that decides *which compiled step runs* overrides `select_branch`: it returns the
+index lists of the variables each branch trains and a selector; nothing in the contract
+ties the branches to one `tf.switch_case`.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What a stage is built from.
+
+    Attributes:
+        model: the Keras model being trained.
+        optimizer: its `keras.optimizers.Optimizer` (already built on `variables`).
+        variables: `model.trainable_variables` when the step was built, in order; hooks
+            receive gradient lists with `indices` into this list.
+        state: the `BoostState` that holds every stage's variables.
+    """
+
+    model: object
+    optimizer: object
+    variables: list
+    state: object
+
+
+@dataclasses.dataclass
+class Window:
+    """What `window` returns: go on only at `boundary`, with `grads()`, then call `close()`."""
+
+    boundary: object
+    grads: object
+    close: object
+
+
+HOOKS = ("scale_loss", "local_gradients", "window", "reduce", "agree_finite", "should_skip", "transform",
+         "apply_update", "after_update", "select_branch", "logs")
+SINGLE_HOOKS = ("window", "reduce", "apply_update", "select_branch")
+
+
+class Stage:
+    """Base of every boost stage. Subclasses set `option` (their `compile` keyword) and override hooks.
+
+    Class attributes:
+        option: the `BoostModel.compile` keyword that makes this stage (the registry's key).
+        needs_finite: whether the loop must compute "all reduced gradients are finite"
+            for this stage's `should_skip`.
+    """
+
+    option = None
+    needs_finite = False
+
+    def build(self, context):
+        """Creates the stage's state from `context` (eager, once)."""
+
+    # -------------------------------------------------------------- hooks
+    def scale_loss(self, loss):
+        return loss
+
+    def local_gradients(self, grads, indices):
+        return grads
+
+    def window(self, grads, indices):
+        """A `Window`, or None to go on with `grads` now."""
+        return None
+
+    def reduce(self, grads, indices):
+        return grads
+
+    def agree_finite(self, finite):
+        return finite
+
+    def should_skip(self, finite):
+        """A boolean tensor: True skips the update on every worker. `finite` is None unless `needs_finite`."""
+        return None
+
+    def transform(self, grads, variables):
+        return grads
+
+    def apply_update(self, optimizer, grads, variables):
+        optimizer.apply(grads, variables)
+
+    def after_update(self):
+        pass
+
+    def select_branch(self):
+        """(list of index lists, selector) where selector() gives the branch to run; None for one branch."""
+        return None
+
+    def logs(self):
+        return {}
+
+    # ------------------------------------------------------------- config
+    def get_config(self):
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    @classmethod
+    def from_option(cls, value, model):
+        """The stage for `compile(<option>=value)`, or None when `value` switches it off."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"`{cls.option}` must be None or a {cls.__name__}, got {value!r} ({type(value).__name__}).")
+
+    def overrides(self, hook):
+        return getattr(type(self), hook) is not getattr(Stage, hook)

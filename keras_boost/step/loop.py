@@ -1,0 +1,286 @@
+"""The boost step: one training step as a loop over stages at fixed hook points.
+
+`BoostTrainOneStep` is MindSpore's `BoostTrainOneStepCell`. It knows the hook points of
+`keras_boost.step.contract`, not the features: the stages come from the registry
+(`keras_boost.step.registry`), in its order, and each acts only at the hooks it overrides.
+
+    [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
+    -> local_gradients -> [window: go on only at a boundary]
+    -> reduce (default: one fused allreduce; gradient_split_groups splits it)
+    -> [agree_finite -> should_skip: one decision, identical on every worker]
+    -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
+
+With several branches (gradient freezing), one branch per group is traced once and chosen
+inside the compiled step with `tf.switch_case`; only the taken branch runs, so the backward
+pass through the frozen prefix is never computed.
+"""
+
+import functools
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_boost import _keras_compat, _validation, distributed
+from keras_boost.stages.loss_scale import all_finite, as_loss_scale
+from keras_boost.step import registry
+from keras_boost.step.contract import SINGLE_HOOKS, Stage, StepContext
+
+
+def check_sens(sens):
+    if isinstance(sens, bool) or not isinstance(sens, numbers.Real):
+        raise TypeError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
+                        f"({type(sens).__name__}).")
+    if sens == 0 or not np.isfinite(sens):
+        raise ValueError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
+                         f"({type(sens).__name__}).")
+    return float(sens)
+
+
+def run_if(predicate, fn):
+    """Runs `fn` (for its effects) inside the compiled step only when `predicate` holds."""
+    def taken():
+        fn()
+        return tf.constant(True)
+
+    return tf.cond(predicate, taken, lambda: tf.constant(False))
+
+
+def _call_compute_loss(model, x, y, y_pred, sample_weight):
+    """`model.compute_loss(...)`, passing `training` only when the override accepts it (as Keras does)."""
+    kwargs = {"x": x, "y": y, "y_pred": y_pred, "sample_weight": sample_weight}
+    if _accepts_training(type(model).compute_loss):
+        kwargs["training"] = True
+    return model.compute_loss(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_training(compute_loss):
+    import inspect
+
+    parameters = inspect.signature(compute_loss).parameters
+    return "training" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
+class BoostTrainOneStep:
+    """Runs one boost training step of `model` with `optimizer` (MindSpore's BoostTrainOneStepCell).
+
+    Args:
+        model: the Keras model being trained (usually a `BoostModel`, which owns the step).
+        optimizer: a built or unbuilt `keras.optimizers.Optimizer`.
+        sens: scale of the loss gradient, default 1.0. As in MindSpore the gradients stay
+            multiplied by it (with plain SGD it scales the learning rate); use a loss-scale
+            stage for mixed precision instead.
+        loss_scale, gradient_accumulation, gradient_freeze, gradient_centralization,
+        adasum, nan_guard: the options of `BoostModel.compile`, turned into stages by the
+            registry (`keras_boost.step.registry`); a ready stage object is accepted too.
+        gradient_split_groups: increasing variable indices at which a new fused
+            allreduce starts, or None for one fused allreduce of all gradients.
+        stages: more `Stage` objects to run (after the registry's), e.g. your own.
+        **options: options of stages registered with `registry.register`.
+
+    Example:
+        >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1))
+        >>> logs = step(batch)  # inside a compiled train_step
+    """
+
+    def __init__(self, model, optimizer, sens=1.0, *, gradient_split_groups=None, stages=(), **options):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a keras.Model, got {model!r} ({type(model).__name__}).")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
+        options.setdefault("nan_guard", True)
+        if options["nan_guard"] is not None:
+            _validation.check_bool("nan_guard", options["nan_guard"])
+        self.model = model
+        self.optimizer = optimizer
+        self.sens = check_sens(sens)
+        self.split_points = _validation.check_split_points(gradient_split_groups)
+        self.stages = registry.make_stages(options, model) + [_check_stage(s) for s in stages]
+        for hook in SINGLE_HOOKS:
+            owners = [type(s).__name__ for s in self.stages if s.overrides(hook)]
+            if len(owners) > 1:
+                raise ValueError(f"only one stage may define the `{hook}` hook; got {owners}")
+        self.built = False
+
+    # -------------------------------------------------------------- stages
+    def stage(self, option):
+        """The stage made from `compile(<option>=...)`, or None."""
+        return next((s for s in self.stages if s.option == option), None)
+
+    @property
+    def loss_scale(self):
+        return self.stage("loss_scale")
+
+    @property
+    def accumulation(self):
+        return self.stage("gradient_accumulation")
+
+    @property
+    def freeze(self):
+        return self.stage("gradient_freeze")
+
+    @property
+    def centralization(self):
+        return self.stage("gradient_centralization")
+
+    @property
+    def adasum(self):
+        return self.stage("adasum")
+
+    @property
+    def nan_guard(self):
+        return self.stage("nan_guard") is not None
+
+    def _with(self, hook):
+        return [s for s in self.stages if s.overrides(hook)]
+
+    # --------------------------------------------------------------- build
+    def build(self, state):
+        """Builds the optimizer and every stage (eagerly), in registry order."""
+        if self.built:
+            return
+        distributed.init()
+        with tf.init_scope():
+            variables = list(self.model.trainable_variables)
+            if not self.optimizer.built:
+                self.optimizer.build(variables)
+            self._variables = variables
+            context = StepContext(self.model, self.optimizer, variables, state)
+            for stage in self.stages:
+                stage.build(context)
+            selecting = self._with("select_branch")
+            self._selector = None
+            self._groups = [list(range(len(variables)))]
+            if selecting:
+                selection = selecting[0].select_branch()
+                if selection is not None:
+                    self._groups, self._selector = selection
+            self._needs_finite = any(s.needs_finite for s in self.stages)
+        self.built = True
+
+    # ---------------------------------------------------------------- step
+    def __call__(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if len(self._groups) == 1:
+            loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)
+        else:
+            branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
+            loss, y_pred = tf.switch_case(self._selector(), branches)
+        batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+        _keras_compat.update_loss_tracker(self.model, loss, batch_size)
+        logs = dict(self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs.update(self.logs())
+        return logs
+
+    def logs(self):
+        """The boost scalars of the last step (identical on every worker)."""
+        logs = {}
+        for stage in self._with("logs"):
+            logs.update(stage.logs())
+        return logs
+
+    def _branch(self, indices, x, y, sample_weight):
+        """Forward, backward for the variables at `indices` only, then the update hooks."""
+        watched = [self._variables[i].value for i in indices]  # the tf.Variables under the Keras ones
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            y_pred = self.model(x, training=True)
+            loss = _call_compute_loss(self.model, x, y, y_pred, sample_weight)
+            target = loss * self.sens if self.sens != 1.0 else loss
+            for stage in self._with("scale_loss"):
+                target = stage.scale_loss(target)
+        grads = tape.gradient(target, watched)
+        connected = [(g, i) for g, i in zip(grads, indices) if g is not None]
+        grads = [g for g, _ in connected]
+        indices = [i for _, i in connected]
+        for stage in self._with("local_gradients"):
+            grads = stage.local_gradients(grads, indices)
+        windowing = self._with("window")
+        window = windowing[0].window(grads, indices) if windowing else None
+        if window is None:
+            self._update(grads, indices)
+        else:
+            def update_from_window():
+                self._update(window.grads(), indices)
+                window.close()
+
+            run_if(window.boundary, update_from_window)
+        return loss, y_pred
+
+    def _update(self, grads, indices):
+        """Communicates once, decides for all workers whether to apply, applies, then after_update."""
+        grads = self._reduce(grads, indices)
+        variables = [self._variables[i] for i in indices]
+        finite = None
+        if self._needs_finite:
+            finite = all_finite(grads)
+            for stage in self._with("agree_finite"):
+                finite = stage.agree_finite(finite)
+        skips = [s for s in (stage.should_skip(finite) for stage in self._with("should_skip")) if s is not None]
+        if not skips:
+            self._apply(grads, variables)
+        else:
+            skip = skips[0] if len(skips) == 1 else tf.reduce_any(tf.stack(skips))
+            run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))
+        for stage in self._with("after_update"):
+            stage.after_update()
+
+    def _reduce(self, grads, indices):
+        reducing = self._with("reduce")
+        if reducing:
+            return reducing[0].reduce(grads, indices)
+        if distributed.size() == 1:
+            return grads
+        buckets = {}
+        for position, index in enumerate(indices):
+            buckets.setdefault(int(np.searchsorted(self.split_points, index, side="right")), []).append(position)
+        reduced = [None] * len(grads)
+        for positions in buckets.values():
+            for position, g in zip(positions, distributed.grouped_allreduce([grads[p] for p in positions])):
+                reduced[position] = g
+        return reduced
+
+    def _apply(self, grads, variables):
+        # Keras' TF optimizer passes the gradients through a custom_gradient that wants them
+        # all from one graph; inside a cond some would otherwise be captures of the outer graph.
+        grads = [tf.identity(g) for g in grads]
+        for stage in self._with("transform"):
+            grads = stage.transform(grads, variables)
+        applying = self._with("apply_update")
+        if applying:
+            applying[0].apply_update(self.optimizer, grads, variables)
+        else:
+            self.optimizer.apply(grads, variables)
+
+
+def _check_stage(stage):
+    if not isinstance(stage, Stage):
+        raise TypeError(f"`stages` must hold keras_boost Stage objects, got {stage!r} ({type(stage).__name__}).")
+    return stage
+
+
+class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
+    """The boost step with loss scaling (MindSpore's BoostTrainOneStepWithLossScaleCell).
+
+    Args:
+        model: the Keras model being trained.
+        optimizer: a `keras.optimizers.Optimizer`.
+        scale_sense: a `DynamicLossScale` / `FixedLossScale`, or a tensor of shape () or
+            (1,) holding a fixed scale (change it between steps with `set_sense_scale`).
+        **options: the other options of `BoostTrainOneStep`.
+
+    Example:
+        >>> step = keras_boost.BoostTrainOneStepWithLossScale(
+        ...     model, optimizer, keras_boost.DynamicLossScale())
+    """
+
+    def __init__(self, model, optimizer, scale_sense, **options):
+        super().__init__(model, optimizer, loss_scale=as_loss_scale(scale_sense), **options)
+
+    def set_sense_scale(self, value):
+        """Sets the loss scale from the host (MindSpore's `set_sense_scale`)."""
+        if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, numbers.Real)) or isinstance(value, bool):
+            raise TypeError(f"The input type must be Tensor, but got {type(value).__name__}")
+        self.loss_scale.scale.assign(tf.reshape(tf.cast(value, tf.float32), []))

@@ -1,0 +1,145 @@
+"""The stage contract: a new stage needs only its own file and one registry line."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_boost import AdaSum, BoostModel, DynamicLossScale, FixedLossScale, GradientAccumulation
+from keras_boost import GradientCentralization, GradientFreeze
+from keras_boost.stages.freeze import FreezeSchedule
+from keras_boost.stages.nan_guard import NonFiniteGuard
+from keras_boost.step import Stage, registry
+from tests.helpers import classification_data, mlp, weights
+
+
+class ClipByGlobalNorm(Stage):
+    """A toy stage: clips the averaged gradients to a global norm (written here, registered here)."""
+
+    option = "gradient_clip_norm"
+
+    def __init__(self, clip_norm):
+        self.clip_norm = float(clip_norm)
+
+    @classmethod
+    def from_option(cls, value, model):
+        if value is None:
+            return None
+        return value if isinstance(value, cls) else cls(value)
+
+    def transform(self, grads, variables):
+        return tf.clip_by_global_norm(grads, self.clip_norm)[0]
+
+    def get_config(self):
+        return {"clip_norm": self.clip_norm}
+
+
+class SecondApplier(Stage):
+    option = "second_applier"
+
+    @classmethod
+    def from_option(cls, value, model):
+        return cls() if value else None
+
+    def apply_update(self, optimizer, grads, variables):
+        optimizer.apply(grads, variables)
+
+
+@pytest.fixture
+def clip_registered():
+    registry.register(ClipByGlobalNorm)
+    yield
+    registry.unregister(ClipByGlobalNorm.option)
+
+
+def _train(model, x, y, **compile_kwargs):
+    model.compile(optimizer=compile_kwargs.pop("optimizer"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_kwargs)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return weights(model)
+
+
+def test_toy_stage_equals_keras_global_clipnorm(clip_registered):
+    x, y = classification_data(128)
+    boosted = _train(mlp(), x, y, optimizer=keras.optimizers.SGD(0.5), gradient_clip_norm=0.05)
+    reference = _train(mlp(keras.Model), x, y, optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05))
+    unclipped = _train(mlp(), x, y, optimizer=keras.optimizers.SGD(0.5))
+    for a, b in zip(boosted, reference):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(boosted, unclipped)) > 1e-3  # clipping acted
+
+
+def test_registered_option_round_trips_through_compile_config(clip_registered):
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", gradient_clip_norm=0.25)
+    config = registry.step_config(model.boost_step)
+    options = registry.options_from_config(config)
+    assert isinstance(options["gradient_clip_norm"], ClipByGlobalNorm)
+    assert options["gradient_clip_norm"].clip_norm == 0.25
+
+
+def test_unknown_option_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="gradient_clip_norm"):
+        mlp().compile(optimizer="sgd", loss="mse", gradient_clip_norm=0.25)
+
+
+def test_two_stages_defining_apply_update_are_refused():
+    registry.register(SecondApplier)
+    try:
+        with pytest.raises(ValueError, match="only one stage may define the `apply_update` hook"):
+            mlp().compile(optimizer="sgd", loss="mse", adasum=True, second_applier=True)
+    finally:
+        registry.unregister(SecondApplier.option)
+
+
+def test_register_rejects_a_non_stage_and_an_unnamed_stage():
+    with pytest.raises(TypeError, match="Stage subclass"):
+        registry.register(dict)
+
+    class Nameless(Stage):
+        pass
+
+    with pytest.raises(ValueError, match="must name its compile keyword"):
+        registry.register(Nameless)
+
+
+@pytest.mark.parametrize("stage", [
+    DynamicLossScale(init_scale=64.0, scale_window=7, hysteresis=2),
+    FixedLossScale(8.0, drop_overflow_update=False),
+    GradientAccumulation(3),
+    FreezeSchedule(GradientFreeze(param_groups=2, freeze_p=0.5, total_steps=10)),
+    GradientCentralization(min_channels_multiple=4),
+    AdaSum(device_number=1, backend="exact"),
+    NonFiniteGuard(),
+], ids=lambda s: type(s).__name__)
+def test_every_builtin_stage_round_trips_its_config(stage):
+    restored = registry.deserialize(registry.serialize(stage))
+    assert type(restored) is type(stage)
+    assert restored.get_config() == stage.get_config()
+
+
+def test_freeze_opt_and_gc_variables_round_trip_by_path():
+    x, y = classification_data(64)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", gradient_centralization=True,
+                  gradient_freeze=GradientFreeze(param_groups=2, freeze_p=0.5, total_steps=10))
+    model.boost_step.build(model.boost_state)
+    config = registry.step_config(model.boost_step)
+    assert config["stages"]["gradient_centralization"]["config"]["variables"] == [
+        v.path for v in model.boost_step.centralization.variables]
+    twin = mlp()
+    twin.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **registry.options_from_config(config))
+    twin.boost_step.build(twin.boost_state)
+    assert [v.path for v in twin.boost_step.centralization.variables] == [
+        v.path for v in model.boost_step.centralization.variables]
+    assert twin.boost_step.freeze.group_indices == model.boost_step.freeze.group_indices
+
+
+def test_adasum_and_auto_boost_construction_do_not_initialise_horovod():
+    from keras_boost import AutoBoost, distributed
+
+    distributed._state.initialized = False
+    AdaSum(device_number=1)
+    AutoBoost("O2")
+    BoostModel  # noqa: B018 - importing the model must not initialise either
+    assert distributed._state.initialized is False
