@@ -35,11 +35,11 @@ def test_single_process_adasum_is_a_plain_step():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"device_number": 0}, ValueError, "device_number must be >= 1"),
-    ({"device_number": 1.5}, TypeError, "device_number must be an integer"),
-    ({"rank": -1}, ValueError, "rank must be >= 0"),
-    ({"backend": "fast"}, ValueError, "backend must be one of"),
-    ({"group_number": True}, TypeError, "group_number must be an integer"),
+    ({"device_number": 0}, ValueError, "`device_number` must be None or a positive int, got 0"),
+    ({"device_number": 1.5}, TypeError, "`device_number` must be None or a positive int, got 1.5"),
+    ({"rank": -1}, ValueError, "`rank` must be None or a non-negative int, got -1"),
+    ({"backend": "fast"}, ValueError, "`backend` must be one of"),
+    ({"group_number": True}, TypeError, "`group_number` must be None or a positive int, got True"),
 ])
 def test_bad_adasum_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
