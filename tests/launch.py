@@ -61,3 +61,32 @@ def run_ok(script, np=2, controller="gloo", args=(), timeout=240, env=None):
     found = results(completed)
     assert sorted(found) == list(range(np)), completed.stdout[-6000:]
     return found
+
+
+def mpirun(script, np=2, args=(), timeout=240, env=None):
+    """Runs `tests/workers/<script>` on `np` local processes with plain `mpirun` (no horovodrun).
+
+    As under a scheduler that starts the ranks itself (`srun`, `mpirun`): Horovod finds
+    its peers through MPI alone. Same hard timeout and results as `horovodrun`.
+    """
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), "--bind-to", "none",
+           "-x", "PYTHONPATH", "-x", "KB_RESULT_DIR", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PYTHONUNBUFFERED",
+           sys.executable, str(WORKERS / script), *map(str, args)]
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+                     "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+                     "OMPI_MCA_mpi_yield_when_idle": "1"})
+    full_env.update(env or {})
+    result_dir = tempfile.mkdtemp(prefix="kb_results_")
+    full_env["KB_RESULT_DIR"] = result_dir
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out)
+    completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    completed.result_dir = result_dir
+    return completed
