@@ -90,7 +90,7 @@ def test_import_keeps_tensorflow_uninitialised():
 def test_workers_under_horovodrun_see_their_own_gpu_or_none():
     """On CPU: no GPU, no pinning, collectives work. On a GPU machine: worker r sees only GPU r."""
     np_ = 2 if len(GPUS) != 1 else 1
-    found = run_ok("gpu_pinning.py", np=np_, controller="gloo", timeout=240)
+    found = run_ok("gpu_pinning.py", np=np_, controller="gloo", timeout=240, gpus=True)
     for rank, result in found.items():
         assert result["sum"] == 64 * 64 * np_
         assert result["physical"] == len(GPUS)
@@ -196,6 +196,6 @@ def test_gpu_single_process_trains_with_auto_precision():
 
 @requires_2_gpus
 def test_two_gpu_workers_train_in_sync():
-    found = run_ok("train_equivalence.py", np=2, controller="gloo", timeout=600)
+    found = run_ok("train_equivalence.py", np=2, controller="gloo", timeout=600, gpus=True)
     assert found[0]["digest"] == found[1]["digest"]
     assert found[0]["diff"] < 1e-4
