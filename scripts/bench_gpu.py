@@ -140,8 +140,9 @@ class Table:
             return
         kind = "float32" if row["policy"] == "float32" else "mixed"
         reference = self.reference.setdefault(kind, row)
+        speedup = reference["step_s"] / row["step_s"]
         self._write(f"| {self.size} | {row['runner']} | {row['policy']} | {1000 * row['step_s']:.1f} | "
-                    f"{row['images_per_s']:.0f} | {reference['step_s'] / row['step_s']:.2f}x | {row['first_s']:.1f} |\n")
+                    f"{row['images_per_s']:.0f} | {speedup:.2f}x | {row['first_s']:.1f} |\n")
 
 
 if __name__ == "__main__":
