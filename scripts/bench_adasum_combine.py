@@ -20,7 +20,8 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from keras_boost import adasum_ops, distributed  # noqa: E402
+from keras_boost import distributed  # noqa: E402
+from keras_boost.stages import adasum_ops  # noqa: E402
 
 
 def resnet20_shapes(channels=1, classes=10):

@@ -2,6 +2,16 @@
 # Installs everything keras_boost needs on a fresh Debian 12 machine: system packages,
 # the .venv, TensorFlow/Keras, and Horovod built with TensorFlow + MPI + Gloo.
 # Idempotent: a rerun checks each step and skips what is already in place.
+#
+# On a machine with an NVIDIA GPU (`nvidia-smi -L` lists one) it installs
+# tensorflow[and-cuda] instead of tensorflow-cpu and builds Horovod with NCCL GPU
+# operations (NCCL and nvcc from their PyPI packages); if that build fails it builds
+# Horovod with CPU operations (GPU tensors are staged through host memory) and says so.
+#
+#   ./scripts/setup.sh               set up (or check) everything
+#   ./scripts/setup.sh --print-plan  print the variant, TensorFlow package and wheel cache; change nothing
+#
+# KERAS_BOOST_DEVICE=cpu|gpu overrides the detection; KERAS_BOOST_CACHE moves the wheel cache.
 set -euo pipefail
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 
@@ -12,10 +22,70 @@ HVD_VERSION="0.28.1"
 CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
 DATA_DIR="/usr/share/datasets/fashion-mnist"
 APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist)
-PY_PACKAGES=("tensorflow-cpu==$TF_VERSION" "keras>=3.15,<3.16" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
+TOOL_PACKAGES=("keras>=3.15,<3.16" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
+GPU_BUILD_PACKAGES=("nvidia-nccl-cu12" "nvidia-cuda-nvcc-cu12")
 
 step() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- the plan
+# detect_gpus: prints the number of NVIDIA GPUs `nvidia-smi -L` lists (0 without nvidia-smi or a driver).
+detect_gpus() {
+  command -v nvidia-smi >/dev/null 2>&1 || { echo 0; return; }
+  local listing
+  listing=$(nvidia-smi -L 2>/dev/null) || { echo 0; return; }
+  printf '%s\n' "$listing" | grep -c '^GPU [0-9]' || true
+}
+
+# plan PYTAG: sets VARIANT (cpu|gpu), NUM_GPUS, DETECTED_BY, TF_PACKAGE, WHEEL_BASE and the wheel
+# cache folders (WHEEL_DIR for cpu; NCCL_WHEEL_DIR, CPUOPS_WHEEL_DIR and NCCL_FAILED for gpu).
+# The cpu cache folder is the one setup.sh has always used, so existing caches stay valid.
+plan() {
+  local pytag="$1"
+  NUM_GPUS=$(detect_gpus)
+  case "${KERAS_BOOST_DEVICE:-auto}" in
+    auto) if [ "$NUM_GPUS" -gt 0 ]; then VARIANT=gpu; DETECTED_BY="nvidia-smi lists $NUM_GPUS GPU(s)"
+          else VARIANT=cpu; DETECTED_BY="no NVIDIA GPU found by nvidia-smi"; fi ;;
+    cpu) VARIANT=cpu; DETECTED_BY="KERAS_BOOST_DEVICE=cpu" ;;
+    gpu) VARIANT=gpu; DETECTED_BY="KERAS_BOOST_DEVICE=gpu" ;;
+    *) die "KERAS_BOOST_DEVICE must be auto, cpu or gpu, got '${KERAS_BOOST_DEVICE}'" ;;
+  esac
+  WHEEL_BASE="$CACHE/horovod-$HVD_VERSION-tf$TF_VERSION-$pytag-$(uname -m)"
+  if [ "$VARIANT" = cpu ]; then
+    TF_PACKAGE="tensorflow-cpu==$TF_VERSION"
+    WHEEL_DIR="$WHEEL_BASE"
+  else
+    TF_PACKAGE="tensorflow[and-cuda]==$TF_VERSION"
+    NCCL_WHEEL_DIR="$WHEEL_BASE-cuda12-nccl"
+    CPUOPS_WHEEL_DIR="$WHEEL_BASE-cuda12-cpuops"
+    NCCL_FAILED="$NCCL_WHEEL_DIR.failed"
+    WHEEL_DIR="$NCCL_WHEEL_DIR"
+    [ -f "$NCCL_FAILED" ] && ! ls "$NCCL_WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1 && WHEEL_DIR="$CPUOPS_WHEEL_DIR"
+  fi
+  return 0
+}
+
+print_plan() {
+  echo "variant: $VARIANT ($DETECTED_BY)"
+  echo "tensorflow: $TF_PACKAGE"
+  if [ "$VARIANT" = cpu ]; then
+    echo "horovod: CPU operations (TensorFlow + MPI + Gloo)"
+  elif [ "$WHEEL_DIR" = "$NCCL_WHEEL_DIR" ]; then
+    echo "horovod: NCCL GPU operations (HOROVOD_GPU_OPERATIONS=NCCL + MPI + Gloo), CPU operations if that build fails"
+  else
+    echo "horovod: CPU operations (GPU tensors staged through host memory): the NCCL build failed before ($NCCL_FAILED)"
+  fi
+  echo "wheel cache: $WHEEL_DIR"
+}
+
+if [ "${1:-}" = "--print-plan" ]; then
+  PYBIN="$VENV/bin/python"; [ -x "$PYBIN" ] || PYBIN=python3
+  plan "$("$PYBIN" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+  print_plan
+  exit 0
+elif [ $# -gt 0 ]; then
+  die "unknown argument '$1' (the only option is --print-plan)"
+fi
 
 step "1/5 system packages: ${APT_PACKAGES[*]}"
 missing=()
@@ -43,42 +113,133 @@ if [ ! -x "$PY" ]; then
 else
   step "    exists"
 fi
+PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+plan "$PYTAG"
+[ "$VARIANT" = gpu ] && step "    GPU machine: $DETECTED_BY"
 
-step "3/5 TensorFlow $TF_VERSION, Keras 3, mpi4py, test tools"
-if ! "$PY" -c "import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION')" 2>/dev/null \
-   || ! "$PY" -c "import pytest, pytest_timeout, hypothesis, matplotlib, mpi4py, psutil" 2>/dev/null; then
+if [ "$VARIANT" = cpu ]; then
+  PY_PACKAGES=("$TF_PACKAGE" "${TOOL_PACKAGES[@]}")
+  step "3/5 TensorFlow $TF_VERSION, Keras 3, mpi4py, test tools"
+  TF_CHECK="import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION')"
+else
+  PY_PACKAGES=("$TF_PACKAGE" "${GPU_BUILD_PACKAGES[@]}" "${TOOL_PACKAGES[@]}")
+  step "3/5 TensorFlow $TF_VERSION with CUDA, NCCL, nvcc, Keras 3, mpi4py, test tools"
+  TF_CHECK="import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION' or not tf.test.is_built_with_cuda())"
+fi
+if ! "$PY" -c "$TF_CHECK" 2>/dev/null \
+   || ! "$PY" -c "import pytest, pytest_timeout, hypothesis, matplotlib, mpi4py, psutil" 2>/dev/null \
+   || { [ "$VARIANT" = gpu ] && ! "$PY" -c "import nvidia.nccl, nvidia.cuda_nvcc" 2>/dev/null; }; then
+  if [ "$VARIANT" = gpu ] && "$PY" -m pip show -q tensorflow-cpu >/dev/null 2>&1; then
+    "$PY" -m pip uninstall -q -y tensorflow-cpu || die "could not remove tensorflow-cpu before installing $TF_PACKAGE"
+  fi
   "$PY" -m pip install -q "${PY_PACKAGES[@]}" || die "pip install of ${PY_PACKAGES[*]} failed"
 else
   step "    already installed"
 fi
 
-step "4/5 Horovod $HVD_VERSION (TensorFlow + MPI + Gloo)"
+# hvd_ok NEED_NCCL: Horovod $HVD_VERSION imports, with MPI and Gloo (and NCCL when NEED_NCCL is 1).
 hvd_ok() {
-  HVD_VERSION="$HVD_VERSION" "$PY" -c '
+  HVD_VERSION="$HVD_VERSION" NEED_NCCL="${1:-0}" "$PY" -c '
 import os, sys, horovod, horovod.tensorflow as hvd
-sys.exit(0 if horovod.__version__ == os.environ["HVD_VERSION"] and hvd.mpi_built() and hvd.gloo_built() else 1)
+ok = horovod.__version__ == os.environ["HVD_VERSION"] and hvd.mpi_built() and hvd.gloo_built()
+sys.exit(0 if ok and (os.environ["NEED_NCCL"] != "1" or hvd.nccl_built()) else 1)
 ' 2>/dev/null
 }
-if hvd_ok; then
-  step "    already installed"
-else
-  PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-  WHEEL_DIR="$CACHE/horovod-$HVD_VERSION-tf$TF_VERSION-$PYTAG-$(uname -m)"
-  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-    step "    no cached wheel in $WHEEL_DIR: building (about 2-3 minutes on 2 cores)"
-    mkdir -p "$WHEEL_DIR"
-    tmp=$(mktemp -d "$WHEEL_DIR.build.XXXX")
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
-      "$PY" -m pip wheel -q --no-build-isolation --no-cache-dir --no-deps -w "$tmp" "horovod==$HVD_VERSION" \
-      || { rm -rf "$tmp"; die "building horovod==$HVD_VERSION failed (see the compiler output above)"; }
-    mv "$tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$tmp"
-  else
-    step "    using cached wheel from $WHEEL_DIR"
+
+# build_wheel DIR [VAR=VALUE...]: builds the Horovod wheel into DIR with the extra build variables; 1 on failure.
+build_wheel() {
+  local dir="$1"; shift
+  mkdir -p "$dir"
+  local tmp
+  tmp=$(mktemp -d "$dir.build.XXXX")
+  if env "$@" HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+       "$PY" -m pip wheel -q --no-build-isolation --no-cache-dir --no-deps -w "$tmp" "horovod==$HVD_VERSION"; then
+    mv "$tmp"/horovod-*.whl "$dir"/ && rm -rf "$tmp"
+    return 0
   fi
-  "$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl || die "installing the horovod wheel failed"
+  rm -rf "$tmp"
+  return 1
+}
+
+# cuda_trees: one CUDA tree (bin/nvcc, nvvm, include, lib64) and one NCCL tree (include, lib/libnccl.so)
+# made of links into the PyPI packages nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12 and
+# nvidia-nccl-cu12, laid out the way Horovod's CMake looks for them; sets CUDA_TREE and NCCL_TREE.
+cuda_trees() {
+  local nv
+  nv=$("$PY" -c 'import os, nvidia.cuda_nvcc as m; print(os.path.dirname(list(m.__path__)[0]))') || return 1
+  CUDA_TREE="$CACHE/cuda12-tree-$PYTAG"
+  NCCL_TREE="$CACHE/nccl-tree-$PYTAG"
+  rm -rf "$CUDA_TREE" "$NCCL_TREE"
+  mkdir -p "$CUDA_TREE/include" "$CUDA_TREE/lib64" "$NCCL_TREE/lib"
+  cp -r "$nv/cuda_nvcc/bin" "$CUDA_TREE/bin"  # real files: nvcc finds nvvm and includes next to itself
+  ln -s "$nv/cuda_nvcc/nvvm" "$CUDA_TREE/nvvm"
+  local pkg
+  for pkg in "$nv"/*/; do
+    [ -d "$pkg/include" ] && cp -rs --remove-destination "$pkg/include/." "$CUDA_TREE/include/"
+    [ -d "$pkg/lib" ] && cp -rs --remove-destination "$pkg/lib/." "$CUDA_TREE/lib64/"
+  done
+  [ -e "$CUDA_TREE/lib64/libcudart.so" ] || ln -s libcudart.so.12 "$CUDA_TREE/lib64/libcudart.so"
+  ln -s "$nv/nccl/include" "$NCCL_TREE/include"
+  cp -rs "$nv/nccl/lib/." "$NCCL_TREE/lib/"
+  [ -e "$NCCL_TREE/lib/libnccl.so" ] || ln -s libnccl.so.2 "$NCCL_TREE/lib/libnccl.so"
+}
+
+install_wheel() {
+  "$PY" -m pip install -q --force-reinstall --no-deps "$1"/horovod-*.whl || die "installing the horovod wheel failed"
   "$PY" -m pip install -q cloudpickle psutil pyyaml packaging cffi >/dev/null || die "installing horovod's dependencies failed"
-  hvd_ok || die "horovod imports but was not built with both MPI and Gloo"
+}
+
+if [ "$VARIANT" = cpu ]; then
+  step "4/5 Horovod $HVD_VERSION (TensorFlow + MPI + Gloo)"
+  if hvd_ok 0; then
+    step "    already installed"
+  else
+    if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+      step "    no cached wheel in $WHEEL_DIR: building (about 2-3 minutes on 2 cores)"
+      build_wheel "$WHEEL_DIR" || die "building horovod==$HVD_VERSION failed (see the compiler output above)"
+    else
+      step "    using cached wheel from $WHEEL_DIR"
+    fi
+    install_wheel "$WHEEL_DIR"
+    hvd_ok 0 || die "horovod imports but was not built with both MPI and Gloo"
+  fi
+else
+  step "4/5 Horovod $HVD_VERSION (TensorFlow + MPI + Gloo, NCCL GPU operations when they build)"
+  NEED_NCCL=1; [ "$WHEEL_DIR" = "$CPUOPS_WHEEL_DIR" ] && NEED_NCCL=0
+  if hvd_ok "$NEED_NCCL"; then
+    step "    already installed"
+  else
+    if [ "$WHEEL_DIR" = "$NCCL_WHEEL_DIR" ] && ! ls "$NCCL_WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+      step "    no cached wheel in $NCCL_WHEEL_DIR: building with HOROVOD_GPU_OPERATIONS=NCCL"
+      if cuda_trees && build_wheel "$NCCL_WHEEL_DIR" HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED \
+           HOROVOD_CUDA_HOME="$CUDA_TREE" HOROVOD_NCCL_HOME="$NCCL_TREE" PATH="$CUDA_TREE/bin:$PATH" \
+           HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-70,80,90}"; then
+        step "    built Horovod with NCCL GPU operations"
+      else
+        touch "$NCCL_FAILED"
+        WHEEL_DIR="$CPUOPS_WHEEL_DIR"
+        step "    the NCCL build failed (output above): falling back to CPU operations (GPU tensors staged through" \
+             "host memory); delete $NCCL_FAILED to try NCCL again"
+      fi
+    fi
+    if [ "$WHEEL_DIR" = "$CPUOPS_WHEEL_DIR" ] && ! ls "$CPUOPS_WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+      step "    no cached wheel in $CPUOPS_WHEEL_DIR: building with CPU operations"
+      build_wheel "$CPUOPS_WHEEL_DIR" || die "building horovod==$HVD_VERSION failed (see the compiler output above)"
+    fi
+    step "    installing the wheel from $WHEEL_DIR"
+    install_wheel "$WHEEL_DIR"
+    if [ "$WHEEL_DIR" = "$NCCL_WHEEL_DIR" ]; then
+      hvd_ok 1 || die "horovod imports but was not built with MPI, Gloo and NCCL"
+    else
+      hvd_ok 0 || die "horovod imports but was not built with both MPI and Gloo"
+    fi
+  fi
+  if "$PY" -c 'import sys, horovod.tensorflow as hvd; sys.exit(not hvd.nccl_built())' 2>/dev/null; then
+    step "    Horovod GPU operations: NCCL"
+  else
+    step "    Horovod GPU operations: none (CPU operations; GPU tensors are staged through host memory)"
+  fi
 fi
 
 step "5/5 keras_boost (editable) and the keras-boost command"

@@ -14,7 +14,7 @@ CLI = [sys.executable, "-m", "keras_boost.app.cli"]
 
 def keras_boost(*args, timeout=300):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT),
-               OMPI_MCA_mpi_yield_when_idle="1")
+               OMPI_MCA_mpi_yield_when_idle="1", CUDA_VISIBLE_DEVICES="")  # CPU, also on a 1-GPU machine
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -21,6 +21,19 @@ def _info(args):
     if caps["horovod"]:
         built = [name for name in ("mpi", "gloo", "nccl") if caps[f"{name}_built"]]
         print(f"Horovod built     {', '.join(built) or 'no controllers'}")
+    if caps["gpus"]:
+        names = ", ".join(f"{g['device']} {g['name']}" for g in caps["gpus"])
+        print(f"GPUs              {caps['physical_gpus']} on this host; this process uses {names}")
+        pinning = caps["gpu_pinning"]
+        if pinning:
+            print(f"GPU pinning       {pinning['device']} for local rank {pinning['local_rank']} of "
+                  f"{pinning['local_size']} ({pinning['how']})")
+        else:
+            print("GPU pinning       under a launcher, worker local_rank uses GPU local_rank only (memory growth on)")
+        print(f"GPU allreduce     {caps['gpu_allreduce']}")
+        print(f"GPU AdaSum        {caps['gpu_adasum']}")
+    else:
+        print("GPUs              none (CPU only)")
     if caps["launched"]:
         print(f"world size        {caps['size']} ({caps['controller']} controller)")
         print(f"AdaSum combine    {'native Horovod Adasum' if caps['native_adasum'] else 'exact keras_boost fallback'}")
@@ -120,7 +133,10 @@ def _add_training_options(parser, epochs):
     parser.add_argument("--config", default=None, help="boost configuration JSON file (AutoBoost sections and keys)")
     parser.add_argument("--accumulation", type=_positive_int, default=1, help="micro-batches per update")
     parser.add_argument("--loss-scale", choices=["none", "dynamic"], default="none")
-    parser.add_argument("--precision", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32")
+    parser.add_argument("--precision", choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"], default="auto",
+                        help="auto (default): float32 on CPUs and at O0; on GPUs at O1/O2 mixed_bfloat16 (compute "
+                        "capability >= 8.0) or mixed_float16 with dynamic loss scaling (7.x); "
+                        "see docs/getting-started.md")
     parser.add_argument("--np", type=_positive_int, default=1, help="workers; > 1 launches horovodrun itself")
     parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np")
     parser.add_argument("--seed", type=int, default=0)

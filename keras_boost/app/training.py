@@ -12,6 +12,7 @@ from keras_boost.config import read_config
 from keras_boost.distributed.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
 from keras_boost.app.demo_net import demo_resnet
+from keras_boost.precision import resolve_precision
 
 APPLICATIONS = {
     "resnet50": "ResNet50",
@@ -64,8 +65,8 @@ def _boost_config(args, updates):
 
 def prepare(args):
     """Data shards for this worker, the BoostModel at the requested level, compiled."""
-    distributed.init()
-    keras.config.set_dtype_policy(args.precision)
+    distributed.init()  # first: pins this worker's GPU before TensorFlow touches any
+    keras.config.set_dtype_policy(resolve_precision(args.precision, args.level))
     rank, size = distributed.rank(), distributed.size()
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed)
     if args.model != "demo":
@@ -91,7 +92,8 @@ def prepare(args):
 def boost_report(model):
     """What the boost did: BatchNorms removed, share of frozen steps, overflows."""
     step = model.boost_step
-    report = {"level": model.auto_boost.level if model.auto_boost else "O0"}
+    report = {"level": model.auto_boost.level if model.auto_boost else "O0",
+              "precision": keras.config.dtype_policy().name}
     if model.less_bn_report is not None:
         report["batchnorms_removed"] = f"{model.less_bn_report.num_removed} of " \
             f"{model.less_bn_report.num_removed + model.less_bn_report.num_kept}"

@@ -15,8 +15,15 @@ When counting is switched on (`count_collectives(True)`, or the environment vari
 `KERAS_BOOST_COUNT_COLLECTIVES=1` before the first step is traced), every collective a
 compiled step runs also increments `allreduce_count()`; tests read it to check how often a
 step communicates. Off by default: the production step carries no counter.
+
+On a GPU machine `init()` gives every worker its own GPU before TensorFlow allocates
+anything: worker `local_rank` sees only GPU `local_rank` of its host, with memory growth on
+(`gpu_for_worker` is the choice, `pin_gpu` applies it). `init(comm=...)` runs Horovod on
+an mpi4py communicator (or a list of world ranks), for keras_boost inside a larger MPI
+program.
 """
 
+import numbers
 import os
 import weakref
 
@@ -37,6 +44,8 @@ class _State:
     counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
     counting = os.environ.get("KERAS_BOOST_COUNT_COLLECTIVES", "") == "1"
     names = weakref.WeakKeyDictionary()  # graph -> collectives named in it so far
+    comm = None  # the communicator given to init(comm=...)
+    gpu = None  # {"device", "local_rank", "local_size", "how"} once a GPU is pinned
 
 
 _state = _State()
@@ -55,20 +64,127 @@ def _import_horovod():
     return hvd
 
 
-def init():
-    """Initialises Horovod when launched by `horovodrun`/`mpirun`; a no-op otherwise.
+def _check_comm(comm):
+    """`comm` for `init`: None, an mpi4py communicator or a non-empty list of distinct world ranks."""
+    if comm is None:
+        return None
+    if hasattr(comm, "Get_rank") and hasattr(comm, "Get_size"):
+        return comm
+    if isinstance(comm, (list, tuple)) and comm and all(
+            isinstance(r, numbers.Integral) and not isinstance(r, bool) and r >= 0 for r in comm) \
+            and len(set(comm)) == len(comm):
+        return [int(r) for r in comm]
+    raise TypeError(f"comm must be None, an mpi4py communicator or a non-empty list of distinct non-negative "
+                    f"world ranks, got {comm!r}")
+
+
+def init(comm=None):
+    """Initialises Horovod when launched by `horovodrun`/`mpirun` (or given `comm`); a no-op otherwise.
 
     Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
-    after initialisation.
+    after initialisation. Under a launcher on a machine with GPUs, the worker is pinned to
+    GPU `local_rank` of its host (see `pin_gpu`); call `init()` first thing, before
+    building a model, so that TensorFlow has not claimed every GPU yet.
+
+    Args:
+        comm: None (all processes of the launch), or an mpi4py communicator (e.g. a
+            `MPI.COMM_WORLD.Split(...)` of a larger MPI program), or a list of
+            `MPI_COMM_WORLD` ranks: keras_boost then trains on those processes only, and
+            `size()`/`rank()` count within them. Only the processes in `comm` call
+            `init(comm=comm)`. Needs Horovod built with MPI and an MPI launch
+            (`mpirun`, `srun`, or `horovodrun --mpi`).
     """
+    comm = _check_comm(comm)
     if _state.initialized:
+        if comm is not None and comm is not _state.comm and comm != _state.comm:
+            raise RuntimeError("keras_boost.distributed is already initialised with another communicator; "
+                               "call init(comm=...) once, before anything else uses keras_boost")
         return
-    if launched():
+    if launched() or comm is not None:
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
         hvd = _import_horovod()
-        hvd.init()
+        if comm is None:
+            hvd.init()
+        else:
+            hvd.init(comm=comm)
         _state.hvd = hvd
+        _state.comm = comm
+        pin_gpu(hvd.local_rank(), hvd.local_size())
     _state.initialized = True
+
+
+def gpu_for_worker(local_rank, local_size, gpus, cuda_visible_devices=None):
+    """The GPU a worker uses: `gpus[local_rank]`; None when `gpus` is empty.
+
+    Pure: no TensorFlow, no Horovod. One GPU per worker is the only layout keras_boost
+    runs: more workers on a host than GPUs would make some share a GPU (and its memory).
+
+    Args:
+        local_rank: this worker's rank among the workers on its host (0-based).
+        local_size: the number of workers on its host.
+        gpus: the GPUs this process sees, in order (e.g. `tf.config.list_physical_devices("GPU")`).
+        cuda_visible_devices: the `CUDA_VISIBLE_DEVICES` variable, or None when unset. When
+            it names exactly one device and the process sees exactly one GPU, the launcher
+            has already given each worker its own GPU (`srun --gpus-per-task=1`, a
+            scheduler's GPU binding): that GPU is used whatever `local_size` is.
+
+    Returns:
+        An element of `gpus`, or None.
+
+    Raises:
+        ValueError: `local_size < 1`, `local_rank` outside `[0, local_size)`, or more
+            workers on this host than GPUs visible to them.
+    """
+    for name, value in (("local_rank", local_rank), ("local_size", local_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    if local_size < 1:
+        raise ValueError(f"local_size must be >= 1, got {local_size}")
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"local_rank must be in [0, local_size={local_size}), got {local_rank}")
+    gpus = list(gpus)
+    if not gpus:
+        return None
+    preassigned = cuda_visible_devices is not None and len(
+        [d for d in cuda_visible_devices.split(",") if d.strip()]) == 1
+    if preassigned and len(gpus) == 1:
+        return gpus[0]
+    if local_size > len(gpus):
+        raise ValueError(
+            f"{local_size} workers run on this host but only {len(gpus)} GPU(s) are visible to them: keras_boost "
+            f"gives each worker its own GPU (worker local_rank uses GPU local_rank). Start at most {len(gpus)} "
+            f"workers per host (horovodrun -np N -H host:{len(gpus)},...), or set KERAS_BOOST_PIN_GPU=0 to manage "
+            "the devices yourself"
+        )
+    return gpus[local_rank]
+
+
+def pin_gpu(local_rank, local_size):
+    """Makes GPU `gpu_for_worker(...)` the only GPU TensorFlow uses here, with memory growth on.
+
+    A no-op without GPUs or with `KERAS_BOOST_PIN_GPU=0`. Returns the pinned device or
+    None. Must run before TensorFlow initialises its GPUs (any tensor or variable does);
+    `init()` calls it right after Horovod starts.
+    """
+    if os.environ.get("KERAS_BOOST_PIN_GPU", "1") == "0":
+        return None
+    gpus = tf.config.list_physical_devices("GPU")
+    choice = gpu_for_worker(local_rank, local_size, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if choice is None:
+        return None
+    try:
+        tf.config.set_visible_devices([choice], "GPU")
+        tf.config.experimental.set_memory_growth(choice, True)
+    except RuntimeError as error:  # TensorFlow's GPUs are initialised already
+        if tf.config.get_visible_devices("GPU") != [choice]:
+            raise RuntimeError(
+                f"keras_boost could not pin worker local_rank {local_rank} to {choice.name}: TensorFlow has already "
+                "initialised every GPU in this process. Call keras_boost.distributed.init() at the start of the "
+                "script, before creating any model, tensor or variable"
+            ) from error
+    how = "scheduler-assigned" if len(gpus) == 1 and local_size > 1 else "local_rank"
+    _state.gpu = {"device": choice.name, "local_rank": local_rank, "local_size": local_size, "how": how}
+    return choice
 
 
 def _hvd():
@@ -172,11 +288,20 @@ def allreduce(tensor, average=True, process_set=None):
     return grouped_allreduce([tensor], average=average, process_set=process_set)[0]
 
 
-def adasum_allreduce(tensors, process_set=None):
-    """Horovod's native Adasum of each tensor across workers (MPI builds only)."""
+def adasum_allreduce(tensors, process_set=None, device=""):
+    """Horovod's native Adasum of each tensor across workers (MPI builds only).
+
+    `device` is Horovod's `device_dense`: "/CPU:0" runs the CPU Adasum (MPI, host memory)
+    even on GPU tensors; "" lets Horovod run its hierarchical GPU Adasum on GPU tensors
+    when it is built with NCCL.
+    """
     hvd = horovod()
     kwargs = {} if process_set is None else {"process_set": process_set}
-    reduced = [hvd.allreduce(t, op=hvd.Adasum, name=_name("adasum"), **kwargs) for t in tensors]
+    if device:  # the input on that device too: Horovod picks its GPU or CPU Adasum by the input's device
+        with tf.device(device):
+            tensors = [tf.identity(t) for t in tensors]
+    reduced = [hvd.allreduce(t, op=hvd.Adasum, name=_name("adasum"), device_dense=device, **kwargs)
+               for t in tensors]
     return _count(reduced)
 
 
@@ -219,10 +344,23 @@ def barrier():
         hvd.allreduce(tf.constant(0.0), name=_name("barrier")).numpy()
 
 
+def gpus():
+    """Names and models of the GPUs this process sees (after pinning: its own GPU only)."""
+    found = []
+    for device in tf.config.list_physical_devices("GPU"):
+        if device not in tf.config.get_visible_devices("GPU"):
+            continue
+        details = tf.config.experimental.get_device_details(device)
+        found.append({"device": device.name, "name": details.get("device_name", "GPU"),
+                      "compute_capability": details.get("compute_capability")})
+    return found
+
+
 def capabilities():
-    """What this build and launch support: versions, controllers, Adasum."""
+    """What this build and launch support: versions, controllers, GPUs, NCCL, Adasum."""
     import keras
 
+    visible_gpus = gpus()
     caps = {
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
@@ -234,6 +372,11 @@ def capabilities():
         "controller": None,
         "size": 1,
         "native_adasum": False,
+        "gpus": visible_gpus,
+        "physical_gpus": len(tf.config.list_physical_devices("GPU")),
+        "gpu_pinning": None,
+        "gpu_allreduce": None,
+        "gpu_adasum": None,
     }
     try:
         import horovod
@@ -246,12 +389,39 @@ def capabilities():
         gloo_built=bool(hvd.gloo_built()),
         nccl_built=bool(hvd.nccl_built()),
     )
-    if launched():
+    if visible_gpus:
+        caps["gpu_allreduce"] = "NCCL" if caps["nccl_built"] else "host memory (Horovod built with CPU operations)"
+        caps["gpu_adasum"] = ("hierarchical (NCCL within a node, MPI Adasum across nodes) when device_number is "
+                              "the GPUs per node under MPI, CPU Adasum otherwise") if caps["nccl_built"] \
+            else "CPU Adasum (host memory)"
+    if launched() or _state.comm is not None:
         init()
         caps["size"] = hvd.size()
         caps["controller"] = "mpi" if hvd.mpi_enabled() else "gloo"
         caps["native_adasum"] = native_adasum_available(hvd.size())
+        caps["gpu_pinning"] = dict(_state.gpu) if _state.gpu else None
     return caps
+
+
+def gpu_adasum_available(groups, device_number):
+    """Whether Horovod's hierarchical GPU Adasum computes keras_boost's AdaSum over `groups` groups.
+
+    Horovod runs Adasum on GPU tensors as an NCCL sum inside each node, then Adasum
+    across nodes (MPI), then an NCCL broadcast back: that is AdaSum over the groups when
+    the groups are the nodes (`device_number == local_size`, every node the same size),
+    their number is a power of two, and Horovod was built with NCCL and runs under MPI.
+    """
+    hvd = _hvd()
+    if hvd is None or not tf.config.list_logical_devices("GPU"):
+        return False
+    return adasum_gpu_plan(groups, device_number, hvd.local_size(), hvd.size(), bool(hvd.nccl_built()),
+                           bool(hvd.mpi_enabled()), bool(hvd.is_homogeneous()))
+
+
+def adasum_gpu_plan(groups, device_number, local_size, size, nccl_built, mpi_enabled, homogeneous):
+    """Pure rule of `gpu_adasum_available` (testable without GPUs)."""
+    return bool(nccl_built and mpi_enabled and homogeneous and device_number == local_size
+                and groups * device_number == size and groups >= 1 and groups & (groups - 1) == 0)
 
 
 def native_adasum_available(groups):

@@ -11,7 +11,10 @@ The combine runs on Horovod's native `op=hvd.Adasum` where Horovod can (an MPI l
 power-of-two number of groups, and groups that are contiguous power-of-two blocks of
 ranks or single workers: inside a group the deltas are identical and AdaSum(a, a) = a),
 and on the exact keras_boost implementation of the same tree everywhere else (Gloo,
-other group counts). See `keras_boost.stages.adasum_ops` and docs/adasum.md.
+other group counts). On GPUs with Horovod built with NCCL, when the groups are the nodes
+(`device_number` = GPUs per node), the native combine is Horovod's hierarchical GPU
+Adasum ("native_gpu": NCCL within the node, MPI across nodes); otherwise native Adasum
+runs on host memory. See `keras_boost.stages.adasum_ops` and docs/adasum.md.
 
 The old weights are read inside the step just before the local update, so AdaSum keeps
 no state between steps that a checkpoint would have to carry.
@@ -118,6 +121,8 @@ class AdaSum(Stage):
             )
         if self.backend == adasum_ops.EXACT or not native_possible:
             return adasum_ops.EXACT
+        if distributed.gpu_adasum_available(groups, device_number):
+            return adasum_ops.NATIVE_GPU  # GPU tensors, a group per node: Horovod's hierarchical GPU Adasum
         return adasum_ops.NATIVE
 
     # --------------------------------------------------------------- stage

@@ -43,6 +43,9 @@ NATIVE = "native"
 EXACT = "exact"
 AUTO = "auto"
 BACKENDS = (AUTO, NATIVE, EXACT)
+# Resolved only (not a user choice): Horovod's hierarchical GPU Adasum, NCCL within each node
+# and MPI Adasum across nodes, on GPU tensors; see `distributed.gpu_adasum_available`.
+NATIVE_GPU = "native_gpu"
 
 # The public functions hold no tensor-dependent Python control flow: AutoGraph need not
 # convert them (nor, through them, Horovod's Python code).
@@ -203,17 +206,27 @@ def _group_size(process_set):
 
 
 @_graph_safe
-def native_adasum_allreduce(tensors, process_set=None):
+def native_adasum_allreduce(tensors, process_set=None, hierarchical_gpu=False):
     """Horovod's native Adasum of each tensor (MPI launch, power-of-two worker count).
 
     Horovod applies the AdaSum rule to every tensor, single-element ones included, and
     in version 0.28.1 accepts only the global process set. Use `combine` for
     keras_boost's semantics.
+
+    By default Horovod's CPU Adasum runs (on GPU tensors too, through host memory), whose
+    tree is over all workers. `hierarchical_gpu=True` runs Horovod's GPU Adasum instead
+    (NCCL sum within each node, Adasum across nodes): for workers whose tensors are equal
+    within each node (a group per node) the node sums are `local_size` times the node's
+    tensor, which is divided out again, so both give the AdaSum tree over the nodes.
     """
     tensors = list(tensors)
     if not tensors:
         return []
-    return distributed.adasum_allreduce(tensors, process_set=process_set)
+    if not hierarchical_gpu:
+        return distributed.adasum_allreduce(tensors, process_set=process_set, device="/CPU:0")
+    local_size = distributed.local_size()
+    reduced = distributed.adasum_allreduce(tensors, process_set=process_set)
+    return [r / tf.cast(local_size, r.dtype) for r in reduced]
 
 
 def resolve_backend(backend=AUTO, process_set=None):
@@ -222,7 +235,7 @@ def resolve_backend(backend=AUTO, process_set=None):
     Native Adasum needs an MPI launch, a power-of-two number of workers and the global
     process set.
     """
-    if backend not in BACKENDS:
+    if backend not in (*BACKENDS, NATIVE_GPU):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != AUTO:
         return backend
@@ -250,11 +263,13 @@ def combine(tensors, backend=AUTO, process_set=None):
     tensors = [tf.convert_to_tensor(tensor) for tensor in tensors]
     if not tensors or not distributed.is_distributed():
         return tensors
-    if resolve_backend(backend, process_set) == EXACT:
+    resolved = resolve_backend(backend, process_set)
+    if resolved == EXACT:
         return exact_adasum_allreduce(tensors, process_set=process_set)
     is_scalar = [tensor.shape.num_elements() == 1 for tensor in tensors]
     vectors = [tensor for tensor, scalar in zip(tensors, is_scalar) if not scalar]
     scalars = [tensor for tensor, scalar in zip(tensors, is_scalar) if scalar]
-    vectors = iter(native_adasum_allreduce(vectors, process_set=process_set))
+    vectors = iter(native_adasum_allreduce(vectors, process_set=process_set,
+                                           hierarchical_gpu=resolved == NATIVE_GPU))
     scalars = iter(distributed.grouped_allreduce(scalars, average=True, process_set=process_set))
     return [next(scalars) if scalar else next(vectors) for scalar in is_scalar]
