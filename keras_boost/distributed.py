@@ -24,10 +24,15 @@ _INSTALL_HINT = (
 )
 
 
+DEFAULT_STALL_TIMEOUT = 600.0
+STALL_TIMEOUT_ENV = "KERAS_BOOST_STALL_TIMEOUT"
+
+
 class _State:
     hvd = None  # horovod.tensorflow once initialised under a launcher
     initialized = False
     counter = None  # tf.Variable counting collectives run inside compiled steps
+    stall_timeout = DEFAULT_STALL_TIMEOUT
     op_index = 0
 
 
@@ -47,22 +52,60 @@ def _import_horovod():
     return hvd
 
 
-def init():
+def _stall_timeout_value(value):
+    if value is None:
+        value = os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT)
+        name = STALL_TIMEOUT_ENV
+    else:
+        name = "stall_timeout"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{name} must be a non-negative number of seconds (0: never), got {value!r}")
+    return seconds
+
+
+def init(stall_timeout=None):
     """Initialises Horovod when launched by `horovodrun`/`mpirun`; a no-op otherwise.
 
     Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
     after initialisation.
+
+    Args:
+        stall_timeout: seconds after which a worker that waits for the others (or that
+            stopped calling collectives) ends the job with a message naming the ranks and
+            where each one is (`keras_boost.watchdog`, and Horovod's stall inspector:
+            `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`, or
+            600 s; 0: never. Only the first call (the one that initialises) sets it.
     """
     if _state.initialized:
         return
+    _state.stall_timeout = _stall_timeout_value(stall_timeout)
     if launched():
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        if _state.stall_timeout > 0:  # set before hvd.init(), which reads them
+            shutdown = max(1, int(round(_state.stall_timeout)))
+            os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(shutdown)
+            os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(stall_check_seconds(shutdown))
         hvd = _import_horovod()
         hvd.init()
         _state.hvd = hvd
     with tf.init_scope():
         _state.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_boost_collectives")
     _state.initialized = True
+
+
+def stall_check_seconds(shutdown):
+    """Horovod's stall warning period for a shutdown time (warns before it shuts down)."""
+    return max(1, min(60, int(shutdown) // 2))
+
+
+def stall_timeout():
+    """The stall timeout in seconds (0: never); see `init`."""
+    init()
+    return _state.stall_timeout
 
 
 def _hvd():
@@ -184,6 +227,14 @@ def broadcast_object(obj, root_rank=0):
     if hvd is None:
         return obj
     return hvd.broadcast_object(obj, root_rank=root_rank, name=_name("bcast_object"))
+
+
+def allgather_object(obj, name):
+    """Every worker's picklable `obj`, as a list in rank order (eager; `name` the same on every worker)."""
+    hvd = _hvd()
+    if hvd is None:
+        return [obj]
+    return list(hvd.allgather_object(obj, name=name))
 
 
 def add_process_set(ranks):
