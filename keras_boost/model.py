@@ -1,5 +1,7 @@
 """BoostModel: a keras.Model whose train_step runs the boost step across Horovod workers."""
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -207,6 +209,14 @@ class BoostModel(keras.Model):
                 kwargs = data_sync.prepare_fit(self, _fit_arguments(args, kwargs))
                 args = ()
                 return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+            except tf.errors.OpError as error:
+                if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
+                    raise
+                raise RuntimeError(
+                    f"rank {distributed.rank()} of {distributed.size()}: a collective of fit was abandoned because "
+                    "Horovod shut down: another worker died or raised (its error is above), or stopped calling "
+                    f"collectives for longer than stall_timeout={distributed.stall_timeout():g} s (rank 0's Horovod "
+                    "stall warning above names the missing ranks and tensors)") from error
             finally:
                 guard.stop()
         return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
