@@ -12,6 +12,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 
 from common import report
 
@@ -34,7 +35,7 @@ class DieWhileWriting(callbacks.BackupAndRestore):
                 with open(path, "r+b") as handle:
                     handle.truncate(size // 2)
                 print(f"checkpoint_kill: rank 0 dies while writing {os.path.basename(path)} "
-                      f"({size // 2} of {size} bytes)", flush=True)
+                      f"({size // 2} of {size} bytes) at {time.time():.2f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
             self.model.save_weights = half_then_die

@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import time
 
 from common import report  # noqa: F401
 
@@ -18,6 +19,7 @@ KILL_RANK = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 class KillRankOne(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 3 and distributed.rank() == KILL_RANK:
+            print(f"killed_worker: rank {KILL_RANK} kills itself at {time.time():.2f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

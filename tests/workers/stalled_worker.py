@@ -18,7 +18,7 @@ STALL_RANK = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 class Sleep(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 2 and distributed.rank() == STALL_RANK:
-            print(f"stalled_worker: rank {STALL_RANK} sleeps at train step 2", flush=True)
+            print(f"stalled_worker: rank {STALL_RANK} sleeps at train step 2 at {time.time():.2f}", flush=True)
             time.sleep(300)
 
 
