@@ -78,6 +78,23 @@ def fingerprint(model, fit_args):
                                                   "validation", "validation_freq", "validation_steps")}}
 
 
+def _loads(text):
+    return None if text is None else json.loads(text)
+
+
+def _first_difference(a, b, path):
+    """The dotted path of the first leaf where two JSON values differ, and both leaves."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for index, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{index}]")
+    return path, a, b
+
+
 def _differences(prints):
     """Human-readable differences between rank 0's fingerprint and the others'."""
     base = prints[0]
@@ -96,8 +113,9 @@ def _differences(prints):
                     break
         for key in sorted(set(base["compile"]) | set(other["compile"])):
             if base["compile"].get(key) != other["compile"].get(key):
-                found.append(f"compile option {key!r}: rank 0 has {_short(base['compile'].get(key))}, rank {rank} "
-                             f"has {_short(other['compile'].get(key))}")
+                path, mine, theirs = _first_difference(_loads(base["compile"].get(key)),
+                                                       _loads(other["compile"].get(key)), key)
+                found.append(f"compile option {path!r}: rank 0 has {_short(mine)}, rank {rank} has {_short(theirs)}")
         for key, value in base["fit"].items():
             if other["fit"].get(key) != value:
                 found.append(f"fit argument {key!r}: rank 0 has {value!r}, rank {rank} has {other['fit'].get(key)!r}")
