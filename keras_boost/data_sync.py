@@ -275,6 +275,8 @@ def prepare_fit(model, arguments):
         adapter = get_data_adapter(args["x"], args["y"], args["sample_weight"], args["batch_size"], None,
                                    args["shuffle"], args["class_weight"])
     dataset = adapter.get_tf_dataset()
+    if args["validation_data"] is not None and args.get("validation_batch_size") is None:
+        args["validation_batch_size"] = args["batch_size"]  # Keras' default for validation, kept
     args.update(x=dataset.take(common) if known else end_together(dataset), y=None, sample_weight=None,
                 batch_size=None, class_weight=None)
     return args
