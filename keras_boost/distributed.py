@@ -53,9 +53,10 @@ def _import_horovod():
 
 
 def _stall_timeout_value(value):
-    if value is None:
-        value = os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT)
-        name = STALL_TIMEOUT_ENV
+    if value is None:  # the argument, then $KERAS_BOOST_STALL_TIMEOUT, then Horovod's own variable, then 600
+        name = STALL_TIMEOUT_ENV if STALL_TIMEOUT_ENV in os.environ else "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+        value = os.environ.get(STALL_TIMEOUT_ENV, os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                                                 DEFAULT_STALL_TIMEOUT))
     else:
         name = "stall_timeout"
     try:
@@ -77,8 +78,9 @@ def init(stall_timeout=None):
         stall_timeout: seconds after which a worker that waits for the others (or that
             stopped calling collectives) ends the job with a message naming the ranks and
             where each one is (`keras_boost.watchdog`, and Horovod's stall inspector:
-            `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`, or
-            600 s; 0: never. Only the first call (the one that initialises) sets it.
+            `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`, else
+            `$HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, else 600 s; 0: never. Only the first call
+            (the one that initialises) sets it.
     """
     if _state.initialized:
         return

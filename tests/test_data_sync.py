@@ -22,6 +22,9 @@ def test_stall_timeout_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="KERAS_BOOST_STALL_TIMEOUT"):
         distributed._stall_timeout_value(None)
     monkeypatch.delenv(distributed.STALL_TIMEOUT_ENV)
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60")  # Horovod's own setting is respected
+    assert distributed._stall_timeout_value(None) == 60
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     assert distributed._stall_timeout_value(None) == distributed.DEFAULT_STALL_TIMEOUT == 600
 
 
