@@ -46,6 +46,24 @@ from keras.src.models.model import functional_init_arguments  # noqa: E402
 from keras.src.trainers.trainer import Trainer  # noqa: E402
 
 
+def get_data_adapter(*args, **kwargs):
+    """Keras' own choice of data adapter for fit's arguments (since Keras 3.0).
+
+    `BoostModel.fit` counts each worker's batches exactly as Keras will before the epoch
+    starts, so that the workers can agree on the number of steps.
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter as keras_get_data_adapter
+
+    return keras_get_data_adapter(*args, **kwargs)
+
+
+def train_validation_split(*args, **kwargs):
+    """Keras' split of arrays for `validation_split` (since Keras 3.0), for the same count."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.train_validation_split(*args, **kwargs)
+
+
 def flatten_layers(layer, include_self=True, recursive=True):
     """Every (nested) layer of `layer`. Since Keras 3.0; Keras has no public nested walk."""
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))

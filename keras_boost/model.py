@@ -1,6 +1,9 @@
 """BoostModel: a keras.Model whose train_step runs the boost step across Horovod workers."""
 
+import os
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_boost import _keras_compat, distributed
@@ -156,6 +159,28 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
+        if distributed.size() > 1:
+            # One collective before the first one of fit: same configuration everywhere
+            # (ValueError otherwise), and the same number of steps per epoch (uneven data).
+            from keras_boost.distributed import data_sync, watchdog
+
+            guard = watchdog.StallWatchdog()
+            callbacks.insert(0, guard)
+            guard.start()
+            try:
+                kwargs = data_sync.prepare_fit(self, _fit_arguments(args, kwargs))
+                args = ()
+                return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+            except tf.errors.OpError as error:
+                if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
+                    raise
+                raise RuntimeError(
+                    f"rank {distributed.rank()} of {distributed.size()}: a collective of fit was abandoned because "
+                    "Horovod shut down: another worker died or raised (its error is above), or stopped calling "
+                    f"collectives for longer than stall_timeout={distributed.stall_timeout():g} s (rank 0's Horovod "
+                    "stall warning above names the missing ranks and tensors)") from error
+            finally:
+                guard.stop()
         return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
 
     def evaluate(self, *args, verbose="auto", **kwargs):
@@ -166,10 +191,12 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         results = super().get_metrics_result()
         if tf.inside_function() or distributed.size() == 1 or not results:
             return results
-        names = sorted(results)
-        values = [tf.cast(tf.convert_to_tensor(results[n]), tf.float32) for n in names]
-        averaged = distributed.grouped_allreduce(values, average=True)
-        return {n: float(v.numpy()) for n, v in zip(names, averaged)}
+        # The workers' metric states are summed, so every sample weighs the same even when
+        # the workers evaluated different numbers of samples (uneven data).
+        from keras_boost.distributed import data_sync
+
+        results = data_sync.metrics_result(self, super().get_metrics_result)
+        return {n: float(keras.ops.convert_to_numpy(v)) if np.ndim(v) == 0 else v for n, v in results.items()}
 
     def extra_log_keys(self):
         # The step's logs carry boost scalars besides the metrics (see BoostLogsMixin).
@@ -202,6 +229,22 @@ def _functional_variant(cls):
             keras.saving.register_keras_serializable(package=package, name=name)(variant)
         _FUNCTIONAL_VARIANTS[cls] = variant
     return _FUNCTIONAL_VARIANTS[cls]
+
+
+def _fit_arguments(args, kwargs):
+    """fit's positional and keyword arguments as one dict of keyword arguments."""
+    import inspect
+
+    names = [n for n in inspect.signature(keras.Model.fit).parameters if n != "self"][:4]
+    if len(args) > len(names):
+        raise TypeError(f"BoostModel.fit takes x, y, batch_size and epochs positionally, the rest by keyword; "
+                        f"got {len(args)} positional arguments")
+    arguments = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name in arguments:
+            raise TypeError(f"fit got multiple values for argument {name!r}")
+        arguments[name] = value
+    return arguments
 
 
 def _rank_zero_verbose(verbose):

@@ -38,7 +38,12 @@ _INSTALL_HINT = (
 )
 
 
+DEFAULT_STALL_TIMEOUT = 600.0
+STALL_TIMEOUT_ENV = "KERAS_BOOST_STALL_TIMEOUT"
+
+
 class _State:
+    stall_timeout = DEFAULT_STALL_TIMEOUT
     hvd = None  # horovod.tensorflow once initialised under a launcher
     initialized = False
     counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
@@ -78,7 +83,23 @@ def _check_comm(comm):
                     f"world ranks, got {comm!r}")
 
 
-def init(comm=None):
+def _stall_timeout_value(value):
+    if value is None:  # the argument, then $KERAS_BOOST_STALL_TIMEOUT, then Horovod's own variable, then 600
+        name = STALL_TIMEOUT_ENV if STALL_TIMEOUT_ENV in os.environ else "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+        value = os.environ.get(STALL_TIMEOUT_ENV, os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                                                 DEFAULT_STALL_TIMEOUT))
+    else:
+        name = "stall_timeout"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"`{name}` must be a non-negative number of seconds (0: never), got {value!r}.")
+    return seconds
+
+
+def init(comm=None, stall_timeout=None):
     """Initialises Horovod when launched by `horovodrun`/`mpirun` (or given `comm`); a no-op otherwise.
 
     Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
@@ -93,6 +114,12 @@ def init(comm=None):
             `size()`/`rank()` count within them. Only the processes in `comm` call
             `init(comm=comm)`. Needs Horovod built with MPI and an MPI launch
             (`mpirun`, `srun`, or `horovodrun --mpi`).
+        stall_timeout: seconds after which a worker that waits for the others (or that
+            stopped calling collectives) ends the job with a message naming the ranks and
+            where each one is (`keras_boost.distributed.watchdog`, and Horovod's stall
+            inspector: `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`,
+            else `$HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, else 600 s; 0: never. Only the first
+            call (the one that initialises) sets it.
     """
     comm = _check_comm(comm)
     if _state.initialized:
@@ -100,8 +127,13 @@ def init(comm=None):
             raise RuntimeError("keras_boost.distributed is already initialised with another communicator; "
                                "call init(comm=...) once, before anything else uses keras_boost")
         return
+    _state.stall_timeout = _stall_timeout_value(stall_timeout)
     if launched() or comm is not None:
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        if _state.stall_timeout > 0:  # set before hvd.init(), which reads them
+            shutdown = max(1, int(round(_state.stall_timeout)))
+            os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(shutdown)
+            os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(stall_check_seconds(shutdown))
         hvd = _import_horovod()
         if comm is None:
             hvd.init()
@@ -185,6 +217,17 @@ def pin_gpu(local_rank, local_size):
     how = "scheduler-assigned" if len(gpus) == 1 and local_size > 1 else "local_rank"
     _state.gpu = {"device": choice.name, "local_rank": local_rank, "local_size": local_size, "how": how}
     return choice
+
+
+def stall_check_seconds(shutdown):
+    """Horovod's stall warning period for a shutdown time (warns before it shuts down)."""
+    return max(1, min(60, int(shutdown) // 2))
+
+
+def stall_timeout():
+    """The stall timeout in seconds (0: never); see `init`."""
+    init()
+    return _state.stall_timeout
 
 
 def _hvd():
@@ -330,6 +373,14 @@ def broadcast_object(obj, root_rank=0):
     if hvd is None:
         return obj
     return hvd.broadcast_object(obj, root_rank=root_rank, name=_name("bcast_object"))
+
+
+def allgather_object(obj, name):
+    """Every worker's picklable `obj`, as a list in rank order (eager; `name` the same on every worker)."""
+    hvd = _hvd()
+    if hvd is None:
+        return [obj]
+    return list(hvd.allgather_object(obj, name=name))
 
 
 def add_process_set(ranks):

@@ -16,7 +16,8 @@ that replays exactly the logged batches (the same rows, in the same order).
 Environment: KB_ELASTIC_MARKER (path of the marker file, required), KB_ELASTIC_EPOCHS
 (default 5), KB_ELASTIC_KILL_AT (rank 1's batch to die at, default 22; 0: never),
 KB_ELASTIC_ALONE (batches rank 0 trains alone before waiting, default 8),
-KB_ELASTIC_WAIT_S (default 90; 0: do not wait for a joiner), KB_ELASTIC_ADASUM (1: compile
+KB_ELASTIC_WAIT_S (default 90; 0: do not wait for a joiner), KB_ELASTIC_KILL_RANK (the rank
+that dies, default 1), KB_ELASTIC_ADASUM (1: compile
 with AdaSum(device_number=1)).
 """
 
@@ -41,6 +42,7 @@ WAIT_S = float(os.environ.get("KB_ELASTIC_WAIT_S", "90"))
 ALONE = int(os.environ.get("KB_ELASTIC_ALONE", "8"))
 BATCH, EPOCHS_SEED = 16, 0
 ADASUM = os.environ.get("KB_ELASTIC_ADASUM") == "1"
+KILL_RANK = int(os.environ.get("KB_ELASTIC_KILL_RANK", "1"))
 
 
 class DieOnce(keras.callbacks.Callback):
@@ -52,10 +54,11 @@ class DieOnce(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.batches += 1
-        if KILL_AT and self.batches == KILL_AT and distributed.rank() == 1 and not os.path.exists(MARKER):
+        if KILL_AT and self.batches == KILL_AT and distributed.rank() == KILL_RANK and not os.path.exists(MARKER):
             with open(MARKER, "w") as handle:
                 handle.write(str(os.getpid()))
-            print(f"elastic_train: rank 1 (pid {os.getpid()}) kills itself at its batch {KILL_AT}", flush=True)
+            print(f"elastic_train: rank {KILL_RANK} (pid {os.getpid()}) kills itself at its batch {KILL_AT}",
+                  flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

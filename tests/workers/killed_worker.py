@@ -1,7 +1,9 @@
-"""Rank 1 is killed with SIGKILL in the middle of training (no Python cleanup at all)."""
+"""Rank argv[1] (default 1) is killed with SIGKILL in the middle of training (no Python cleanup at all)."""
 
 import os
 import signal
+import sys
+import time
 
 from common import report  # noqa: F401
 
@@ -11,9 +13,13 @@ from keras_boost import distributed
 from tests.helpers import classification_data, compile_sgd, mlp
 
 
+KILL_RANK = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+
+
 class KillRankOne(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
-        if batch == 3 and distributed.rank() == 1:
+        if batch == 3 and distributed.rank() == KILL_RANK:
+            print(f"killed_worker: rank {KILL_RANK} kills itself at {time.time():.2f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,232 @@
+"""Ends a `fit` whose workers stopped making progress together, naming who is where.
+
+A worker that stops calling collectives (stuck in its input pipeline, in a callback, in a
+deadlock of user code) leaves the others waiting in their next allreduce forever. Two
+guards end such a job within a bounded time (`distributed.init(stall_timeout=...)`,
+`$KERAS_BOOST_STALL_TIMEOUT`, default 600 s, 0: off):
+
+- Horovod's stall inspector (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, set by
+  `distributed.init`): on rank 0 it logs the tensor names and the missing ranks, then
+  shuts Horovod down, so the waiting workers raise and the launcher ends the job. This
+  works under MPI; under Gloo (Horovod 0.28.1) it was seen never to fire.
+- `StallWatchdog`, which `BoostModel.fit` adds under a launcher: a daemon thread on every
+  worker that tracks where the worker is (`in train step 3 of epoch 0`, `in callbacks
+  after step 2`, ...). When that has not changed for `stall_timeout` seconds it prints
+  one line per rank (its own, and under Gloo every rank's, read from the launcher's
+  key-value store, where each worker's thread publishes its position when it changes)
+  naming the ranks that are behind, and ends the process with exit code 75; the
+  launcher then ends the job. Under MPI it waits a few seconds longer than Horovod's
+  shutdown, so Horovod's own message (which names the missing ranks) comes first.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import keras
+
+from keras_boost import distributed
+
+STALL_EXIT_CODE = 75
+_SCOPE = "keras_boost_progress"
+
+
+class _KeyValueStore:
+    """The Gloo launcher's rendezvous key-value store, when there is one."""
+
+    def __init__(self):
+        self.addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        self.port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+    @property
+    def available(self):
+        return bool(self.addr and self.port)
+
+    def put(self, key, value):
+        from horovod.runner.http.http_client import put_data_into_kvstore
+
+        put_data_into_kvstore(self.addr, self.port, _SCOPE, key, value)
+
+    def get(self, key):
+        from horovod.runner.http.http_client import read_data_from_kvstore
+
+        return read_data_from_kvstore(self.addr, self.port, _SCOPE, key)
+
+
+class _Progress:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.where = "at the start of fit (the configuration check)"
+        self.steps = 0  # train steps started in this fit
+        self.since = time.monotonic()
+        self.version = 0
+
+    def set(self, where, step_started=False):
+        with self.lock:
+            self.where = where
+            self.steps += int(step_started)
+            self.since = time.monotonic()
+            self.version += 1
+
+    def read(self):
+        with self.lock:
+            return self.where, self.steps, self.since, self.version
+
+
+class StallWatchdog(keras.callbacks.Callback):
+    """Ends the process when this worker's position in `fit` has not changed for `timeout` s.
+
+    `BoostModel.fit` adds it under a launcher (first among the callbacks) and stops it when
+    `fit` returns or raises. It wraps `model.train_function` for the duration of `fit`, so
+    that "in train step k" (input pipeline and collectives) is told apart from "in
+    callbacks before/after step k" (user code).
+
+    Args:
+        timeout: seconds; default `distributed.stall_timeout()`; 0 disables.
+    """
+
+    def __init__(self, timeout=None):
+        super().__init__()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        self.timeout = timeout
+        self._progress = None
+        self._stop = None
+        self._thread = None
+        self._epoch = 0
+        self._batch = 0
+        self._original_train_function = None
+
+    # ---------------------------------------------------------- callbacks
+    def on_train_begin(self, logs=None):
+        self.start()
+        self._set("in on_train_begin callbacks (the start-of-fit broadcast)")
+        self._wrap_train_function()
+
+    def start(self):
+        """Starts the thread (`fit` calls it before its first collective; idempotent)."""
+        timeout = distributed.stall_timeout() if self.timeout is None else float(self.timeout)
+        if timeout <= 0 or distributed.size() == 1 or self._thread is not None:
+            return
+        self._progress = _Progress()
+        self._stop = threading.Event()
+        horovod = distributed.horovod()
+        mpi = bool(horovod.mpi_enabled())
+        # Under MPI Horovod's inspector shuts down first (its message names the missing ranks).
+        fire_after = timeout + (distributed.stall_check_seconds(timeout) + 5 if mpi else 0)
+        self._thread = threading.Thread(
+            target=_watch, args=(self._progress, self._stop, fire_after, timeout, distributed.rank(),
+                                 distributed.size(), _KeyValueStore()),
+            name="keras_boost-stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def _wrap_train_function(self):
+        model, original = self.model, self.model.train_function
+        if self._progress is None or original is None or getattr(original, "_keras_boost_watched", False):
+            return
+        watchdog = self
+
+        def train_function(iterator):
+            watchdog._set(f"in train step {watchdog._batch} of epoch {watchdog._epoch} (its input pipeline or "
+                          "its collectives)", step_started=True)
+            return original(iterator)
+
+        train_function._keras_boost_watched = True
+        self._original_train_function = original
+        model.train_function = train_function
+
+    def _set(self, where, step_started=False):
+        if self._progress is not None:
+            self._progress.set(where, step_started)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._set(f"at the start of epoch {epoch}")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch = batch
+        self._set(f"in callbacks or user code before train step {batch} of epoch {self._epoch}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._set(f"in callbacks or user code after train step {batch} of epoch {self._epoch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._set(f"at the end of epoch {epoch} (validation, epoch-end callbacks)")
+
+    def on_test_begin(self, logs=None):
+        self._set(f"in validation after epoch {self._epoch}")
+
+    def on_test_end(self, logs=None):
+        self._set(f"after validation of epoch {self._epoch} (metric allreduce, callbacks)")
+
+    def on_train_end(self, logs=None):
+        self.stop()
+
+    def stop(self):
+        """Stops the thread and unwraps the train function (idempotent; `fit` calls it when it ends)."""
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+        self._progress = self._stop = self._thread = None
+        original = getattr(self, "_original_train_function", None)
+        if original is not None and self.model is not None and getattr(self.model.train_function,
+                                                                       "_keras_boost_watched", False):
+            self.model.train_function = original
+        self._original_train_function = None
+
+
+def _watch(progress, stop, fire_after, timeout, rank, size, store):
+    poll = max(0.2, min(2.0, fire_after / 10))
+    published = -1
+    while not stop.wait(poll):
+        where, steps, since, version = progress.read()
+        if store.available and version != published:
+            try:
+                store.put(f"rank{rank}", json.dumps({"where": where, "steps": steps, "time": time.time()}))
+                published = version
+            except Exception:  # noqa: BLE001 - the store is a help for the message, never a reason to fail
+                pass
+        stuck = time.monotonic() - since
+        if stuck < fire_after:
+            continue
+        lines = [f"keras_boost: stall: rank {rank} of {size} has been {where} for {stuck:.0f} s "
+                 f"(stall_timeout={timeout:g} s); ending the job."]
+        lines += _others(store, rank, size)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        os._exit(STALL_EXIT_CODE)
+
+
+def _others(store, rank, size):
+    """Where every rank is, from the key-value store, and which ones are behind."""
+    if not store.available:
+        return ["keras_boost: stall: the other ranks' positions are not known under this launcher; Horovod's stall "
+                "warning above (on rank 0) names the missing ranks and tensors."]
+    now, table = time.time(), {}
+    for other in range(size):
+        try:
+            table[other] = json.loads(store.get(f"rank{other}"))
+        except Exception:  # noqa: BLE001
+            table[other] = None
+    lines = []
+    for other, entry in table.items():
+        if entry is None:
+            lines.append(f"keras_boost: stall:   rank {other}: no position published (not started, or dead)")
+        else:
+            lines.append(f"keras_boost: stall:   rank {other}: {entry['where']} (step {entry['steps']} of this fit, "
+                         f"last change {now - entry['time']:.0f} s ago)")
+    known = {r: e for r, e in table.items() if e is not None}
+    behind = [r for r in range(size) if table[r] is None]
+    if known and not behind:
+        fewest = min(e["steps"] for e in known.values())
+        behind = [r for r, e in known.items() if e["steps"] == fewest]
+        outside = [r for r in behind if not known[r]["where"].startswith("in train step")]
+        behind = outside or behind
+    if behind and len(behind) < size:
+        lines.append(f"keras_boost: stall: rank(s) {behind} stopped calling collectives; the others wait for them.")
+    else:
+        lines.append(f"keras_boost: stall: every rank is at the same step: one of them is stuck inside it (input "
+                     "pipeline or a collective); see the positions above.")
+    return lines

@@ -1,0 +1,81 @@
+"""Single-process parts of the never-hang machinery (the multi-process runs are in test_never_hang.py)."""
+
+import keras
+import pytest
+
+from keras_boost import BoostModel, distributed
+from keras_boost.distributed import data_sync, watchdog
+from tests.helpers import compile_sgd, mlp
+
+
+def test_stall_timeout_values():
+    assert distributed._stall_timeout_value(5) == 5.0
+    assert distributed._stall_timeout_value(0) == 0.0
+    for bad in (-1, "soon", True, float("nan"), float("inf"), [3]):
+        with pytest.raises(ValueError, match="stall_timeout must be a non-negative number"):
+            distributed._stall_timeout_value(bad)
+
+
+def test_stall_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv(distributed.STALL_TIMEOUT_ENV, "12.5")
+    assert distributed._stall_timeout_value(None) == 12.5
+    monkeypatch.setenv(distributed.STALL_TIMEOUT_ENV, "-3")
+    with pytest.raises(ValueError, match="KERAS_BOOST_STALL_TIMEOUT"):
+        distributed._stall_timeout_value(None)
+    monkeypatch.delenv(distributed.STALL_TIMEOUT_ENV)
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60")  # Horovod's own setting is respected
+    assert distributed._stall_timeout_value(None) == 60
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    assert distributed._stall_timeout_value(None) == distributed.DEFAULT_STALL_TIMEOUT == 600
+
+
+def test_stall_check_period_warns_before_the_shutdown():
+    assert distributed.stall_check_seconds(10) == 5
+    assert distributed.stall_check_seconds(600) == 60
+    assert distributed.stall_check_seconds(1) == 1
+
+
+def test_watchdog_validates_its_timeout():
+    with pytest.raises(ValueError, match="timeout must be a non-negative number"):
+        watchdog.StallWatchdog(timeout=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        watchdog.StallWatchdog(timeout="1")
+
+
+def test_fingerprints_ignore_generated_names_and_see_shapes():
+    keras.layers.Dense(3)  # bumps Keras' name counters, as an extra model on one rank would
+    a = compile_sgd(mlp(BoostModel))
+    b = compile_sgd(mlp(BoostModel))
+    args = {"batch_size": 16, "epochs": 2}
+    assert data_sync._differences([data_sync.fingerprint(a, args), data_sync.fingerprint(b, args)]) == []
+    wide = compile_sgd(mlp(BoostModel, hidden=32))
+    found = data_sync._differences([data_sync.fingerprint(a, args), data_sync.fingerprint(wide, args)])
+    assert found == ["variable shapes: rank 0 has hidden/kernel (8, 16) float32, rank 1 has hidden/kernel (8, 32) "
+                     "float32"]
+    lr = compile_sgd(mlp(BoostModel), lr=0.2)
+    found = data_sync._differences([data_sync.fingerprint(a, args), data_sync.fingerprint(lr, args)])
+    assert found == ["compile option 'optimizer.config.learning_rate': rank 0 has 0.10000000149011612, rank 1 has "
+                     "0.20000000298023224"]
+    found = data_sync._differences([data_sync.fingerprint(a, args),
+                                    data_sync.fingerprint(a, {"batch_size": 16, "epochs": 3})])
+    assert found == ["fit argument 'epochs': rank 0 has 2, rank 1 has 3"]
+
+
+def test_single_process_is_untouched():
+    model = compile_sgd(mlp(BoostModel))
+    arguments = {"x": [1], "batch_size": 4}
+    assert data_sync.prepare_fit(model, arguments) is arguments
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.range(3)
+    assert data_sync.end_together(ds) is ds
+
+
+def test_fit_arguments_bind_positionals():
+    from keras_boost.model import _fit_arguments
+
+    assert _fit_arguments((1, 2, 16), {"epochs": 3}) == {"x": 1, "y": 2, "batch_size": 16, "epochs": 3}
+    with pytest.raises(TypeError, match="multiple values for argument 'y'"):
+        _fit_arguments((1, 2), {"y": 3})
+    with pytest.raises(TypeError, match="positionally"):
+        _fit_arguments((1, 2, 3, 4, 5), {})
