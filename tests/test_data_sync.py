@@ -12,7 +12,7 @@ def test_stall_timeout_values():
     assert distributed._stall_timeout_value(5) == 5.0
     assert distributed._stall_timeout_value(0) == 0.0
     for bad in (-1, "soon", True, float("nan"), float("inf"), [3]):
-        with pytest.raises(ValueError, match="stall_timeout must be a non-negative number"):
+        with pytest.raises(ValueError, match="`stall_timeout` must be a non-negative number"):
             distributed._stall_timeout_value(bad)
 
 
