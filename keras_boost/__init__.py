@@ -1,6 +1,15 @@
 """keras_boost: MindSpore-style boost features for Keras 3 on TensorFlow, distributed with Horovod."""
 
-from keras_boost import callbacks, distributed
+import os as _os
+import sys as _sys
+
+# The `keras-boost` command (and its horovodrun workers, `python -m keras_boost.cli`) must not
+# print TensorFlow's C++ start-up lines; TensorFlow reads the level when it is first imported.
+_ARGV = list(getattr(_sys, "orig_argv", _sys.argv))
+if any(_os.path.basename(a) == "keras-boost" for a in _ARGV[:2]) or "keras_boost.cli" in _ARGV[1:3]:
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_boost import callbacks, distributed, optimizers
 from keras_boost.accumulation import GradientAccumulation
 from keras_boost.adasum import AdaSum
 from keras_boost.auto_boost import AutoBoost
@@ -38,4 +47,5 @@ __all__ = [
     "GradientAccumulation",
     "callbacks",
     "distributed",
+    "optimizers",
 ]

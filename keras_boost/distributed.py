@@ -29,6 +29,7 @@ class _State:
     initialized = False
     counter = None  # tf.Variable counting collectives run inside compiled steps
     op_index = 0
+    boost_step_depth = 0  # > 0 while the boost step is traced (it averages by itself)
 
 
 _state = _State()
@@ -123,6 +124,30 @@ def _count(outputs):
 def _name(prefix):
     _state.op_index += 1
     return f"keras_boost.{prefix}.{_state.op_index}"
+
+
+class boost_step_scope:  # noqa: N801 - used as a context manager
+    """Marks the tracing of the boost step, whose optimizer calls must not average again."""
+
+    def __enter__(self):
+        _state.boost_step_depth += 1
+
+    def __exit__(self, *exc):
+        _state.boost_step_depth -= 1
+
+
+def in_boost_step():
+    return _state.boost_step_depth > 0
+
+
+def join():
+    """Horovod's join: this worker takes part with zeros in the others' allreduces until all join.
+
+    Blocks until every worker has joined; a no-op in a single process.
+    """
+    hvd = _hvd()
+    if hvd is not None:
+        hvd.join()
 
 
 def reset_collective_names():

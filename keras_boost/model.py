@@ -46,7 +46,9 @@ class BoostModel(keras.Model):
             `DynamicLossScale` / `FixedLossScale`.
         gradient_accumulation: micro-batches per update (int) or a `GradientAccumulation`.
         gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
-        gradient_centralization: True, or a `GradientCentralization`.
+        gradient_centralization: True or "mindspore" (MindSpore's rule: conv/dense kernels
+            whose input channels are a multiple of 16), "all" (the keras-io recipe: every
+            gradient of rank 2 or more), or a `GradientCentralization`.
         adasum: True, or an `AdaSum` stage.
         nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
             update whose averaged gradient is not finite, before it reaches the weights
@@ -93,8 +95,10 @@ class BoostModel(keras.Model):
                             "with less_bn switched off")
         else:
             super().__init__(*args, **kwargs)
-        self.boost_state = BoostState()
-        # Keras tracks the layer for its own saving; tf.train.Checkpoint needs the edge too.
+        # Boost state is training state, like optimizer slots: kept out of Keras' layer
+        # tracking (so weights, get_weights and count_params equal keras.Model's), yet saved
+        # by Keras' saving (which walks the attributes) and by tf.train.Checkpoint (the edge).
+        object.__setattr__(self, "boost_state", BoostState())
         self._track_trackable(self.boost_state, name="boost_state")
         self.boost_step = None
         self.auto_boost = auto_boost
@@ -105,8 +109,11 @@ class BoostModel(keras.Model):
                 nan_guard=True, **kwargs):
         from keras_boost import stages
 
+        from keras_boost.dropin import make_distributed_optimizer
+
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
         given = {"gradient_accumulation": gradient_accumulation, "gradient_freeze": gradient_freeze,
                  "gradient_centralization": gradient_centralization, "adasum": adasum,
                  "gradient_split_groups": gradient_split_groups}
@@ -183,8 +190,15 @@ class BoostModel(keras.Model):
         self.boost_step.build(self.boost_state)
         return self.boost_step(data)
 
+    def make_train_function(self, force=False):
+        from keras_boost.dropin import without_jit_for_collectives
+
+        with without_jit_for_collectives(self):
+            return super().make_train_function(force=force)
+
     # ------------------------------------------------------ worker agreement
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
+        from keras_boost import dropin
         from keras_boost.callbacks import BroadcastGlobalVariablesCallback
 
         from keras_boost.callbacks import NonFiniteGuard
@@ -194,20 +208,29 @@ class BoostModel(keras.Model):
             callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
-        return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+        dropin.join_pending_collectives()  # lets a rank-0-only evaluate of the others finish
+        callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
+        return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
 
-    def evaluate(self, *args, verbose="auto", **kwargs):
-        return super().evaluate(*args, verbose=_rank_zero_verbose(verbose), **kwargs)
+    def evaluate(self, *args, verbose="auto", callbacks=None, **kwargs):
+        from keras_boost import dropin
+
+        callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
+        return super().evaluate(*args, verbose=verbose, callbacks=callbacks, **kwargs)
 
     def get_metrics_result(self):
-        """The metric results, averaged across workers when called between steps."""
+        """The metric results, averaged across the workers that evaluate, between steps.
+
+        Workers that are not evaluating (the `if rank == 0: model.evaluate(...)` idiom)
+        take part with weight zero once they reach `fit` or exit (Horovod's join), so
+        the rank that evaluates gets its own results, and nothing hangs.
+        """
+        from keras_boost import dropin
+
         results = super().get_metrics_result()
         if tf.inside_function() or distributed.size() == 1 or not results:
             return results
-        names = sorted(results)
-        values = [tf.cast(tf.convert_to_tensor(results[n]), tf.float32) for n in names]
-        averaged = distributed.grouped_allreduce(values, average=True)
-        return {n: float(v.numpy()) for n, v in zip(names, averaged)}
+        return dropin.average_over_participants(results)
 
     def _get_metrics_result_or_logs(self, logs):
         # The step's logs carry boost scalars besides the metrics; Keras only swaps in the

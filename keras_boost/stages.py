@@ -21,16 +21,24 @@ def freeze_option(value):
 
 
 def centralization_option(value, model):
-    """None/False, True (the default variable selection of `gc_variables`) or a `GradientCentralization`."""
+    """None/False, True or "mindspore", "all", or a `GradientCentralization`.
+
+    True and "mindspore" are MindSpore's rule (the level's default): conv/dense kernels of
+    `gc_variables` whose input channels are a multiple of 16. "all" is the keras-io
+    recipe: every trainable variable of rank 2 or more.
+    """
     if value is None or value is False:
         return None
     from keras_boost.centralization import GradientCentralization, gc_variables
 
-    if value is True:
+    if value is True or (isinstance(value, str) and value == "mindspore"):
         return GradientCentralization(gc_variables(model))
+    if isinstance(value, str) and value == "all":
+        return GradientCentralization([v for v in model.trainable_variables if len(v.shape) >= 2], 1)
     if isinstance(value, GradientCentralization):
         return value
-    raise TypeError(f"gradient_centralization must be a bool or a GradientCentralization, got {value!r}")
+    raise TypeError(f"gradient_centralization must be a bool, 'mindspore', 'all' or a GradientCentralization, "
+                    f"got {value!r}")
 
 
 def adasum_option(value):

@@ -133,6 +133,10 @@ class BoostTrainOneStep:
 
     # ------------------------------------------------------------------ step
     def __call__(self, data):
+        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
+            return self._call(data)
+
+    def _call(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         if len(self._groups) == 1:
             loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)
@@ -162,7 +166,8 @@ class BoostTrainOneStep:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(watched)
             y_pred = self.model(x, training=True)
-            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            # Keras' wrapper passes `training` only to a compute_loss override that takes it.
+            loss = self.model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             target = loss * self.sens if self.sens != 1.0 else loss
             if self.loss_scale is not None:
                 target = self.loss_scale.scale_loss(target)
