@@ -140,16 +140,6 @@ def in_boost_step():
     return _state.boost_step_depth > 0
 
 
-def join():
-    """Horovod's join: this worker takes part with zeros in the others' allreduces until all join.
-
-    Blocks until every worker has joined; a no-op in a single process.
-    """
-    hvd = _hvd()
-    if hvd is not None:
-        hvd.join()
-
-
 def reset_collective_names():
     """Restarts the numbering of collective names; call at the same point on every worker.
 

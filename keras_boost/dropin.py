@@ -6,15 +6,15 @@
   through.
 - No XLA around collectives: Horovod's ops have no XLA kernels, so the train function of
   a multi-worker run is compiled without XLA (one warning); evaluate and predict keep it.
-- Rank-0-only evaluate: the metric average is a sum over the workers that evaluate
-  (value and weight 1); the others take part with zeros through Horovod's join when they
-  reach `fit` or exit, so `if rank == 0: model.evaluate(...)` neither hangs nor crashes.
+- Rank-0-only evaluate: in the Horovod idiom `if rank == 0: model.evaluate(...)` at the
+  end of a script the other workers exit and Horovod shuts down; the metric average then
+  falls back to rank 0's own results (one warning) instead of ending the job. predict and
+  save run no collective at all.
 - Logs: one line per epoch under a launcher whose output is not a terminal, and the
   boost scalars are kept out of the progress bar (they stay in the logs, the History
   and TensorBoard).
 """
 
-import atexit
 import contextlib
 import logging
 import os
@@ -73,7 +73,6 @@ def make_distributed_optimizer(optimizer):
     # Instance attributes, outside Keras' tracking: the class (and so saving) is unchanged.
     object.__setattr__(optimizer, "apply", apply)
     object.__setattr__(optimizer, "_keras_boost_distributed", True)
-    _register_exit_join()
     return optimizer
 
 
@@ -104,44 +103,32 @@ def without_jit_for_collectives(model):
 
 
 # ---------------------------------------------------------------- rank-0 evaluate
+_ALONE_WARNED = []
+
+
 def average_over_participants(results):
-    """Averages metric results across the workers that call this (joined workers add zeros)."""
+    """Averages metric results across the workers; this worker's own once the others have finished.
+
+    In the Horovod idiom `if rank == 0: model.evaluate(...)` at the end of a script the
+    other workers exit, which shuts Horovod down: the average then fails with Horovod's
+    shutdown error, and rank 0 gets its own results (one warning) instead of a crash.
+    """
     names = sorted(results)
     values = [float(np.asarray(keras.ops.convert_to_numpy(results[n]))) for n in names]
-    packed = tf.constant(values + [1.0], dtype=tf.float64)
     hvd = distributed.horovod()
-    summed = hvd.allreduce(packed, op=hvd.Sum, name=_METRICS_NAME).numpy()
+    try:
+        summed = hvd.allreduce(tf.constant(values + [1.0], dtype=tf.float64), op=hvd.Sum,
+                               name=_METRICS_NAME).numpy()
+    except tf.errors.OpError as error:
+        if "shut down" not in str(error):
+            raise
+        if not _ALONE_WARNED:
+            _ALONE_WARNED.append(True)
+            warnings.warn("the other workers have finished (Horovod is shut down): these metrics are this "
+                          f"worker's own (rank {distributed.rank()}), not averaged", stacklevel=3)
+        return dict(zip(names, values))
     count = summed[-1]
     return {n: float(v / count) for n, v in zip(names, summed[:-1])}
-
-
-def join_pending_collectives():
-    """Every worker: lets an evaluate that only some workers run finish, then goes on together."""
-    if distributed.size() > 1:
-        distributed.join()
-
-
-_EXIT_JOIN = []
-
-
-def _register_exit_join():
-    if _EXIT_JOIN or not distributed.launched():
-        return
-    _EXIT_JOIN.append(True)
-    atexit.register(_join_at_exit)
-
-
-def _join_at_exit():
-    # A worker that ends normally joins, so a rank-0-only evaluate still running on
-    # another worker completes. Not after an uncaught exception: the job must fail then.
-    if hasattr(sys, "last_value") or distributed.size() <= 1:
-        return
-    hvd = distributed._state.hvd
-    try:
-        if hvd is not None and hvd.is_initialized():
-            hvd.join()
-    except Exception as error:  # pragma: no cover - shutdown races
-        logger.debug("join at exit failed: %s", error)
 
 
 # ---------------------------------------------------------------------------- logs

@@ -208,7 +208,6 @@ class BoostModel(keras.Model):
             callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
-        dropin.join_pending_collectives()  # lets a rank-0-only evaluate of the others finish
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
         return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
 
@@ -219,11 +218,10 @@ class BoostModel(keras.Model):
         return super().evaluate(*args, verbose=verbose, callbacks=callbacks, **kwargs)
 
     def get_metrics_result(self):
-        """The metric results, averaged across the workers that evaluate, between steps.
+        """The metric results, averaged across workers when called between steps.
 
-        Workers that are not evaluating (the `if rank == 0: model.evaluate(...)` idiom)
-        take part with weight zero once they reach `fit` or exit (Horovod's join), so
-        the rank that evaluates gets its own results, and nothing hangs.
+        When the other workers have already finished (the `if rank == 0: model.evaluate(...)`
+        idiom at the end of a script), this worker's own results, with one warning.
         """
         from keras_boost import dropin
 
