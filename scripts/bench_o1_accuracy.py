@@ -19,7 +19,7 @@ import bench_common  # noqa: F401  (sys.path and log level)
 import keras
 import numpy as np
 
-from keras_boost import BoostModel
+from keras_boost import BoostModel, less_bn
 from keras_boost.data import load_fashion_mnist
 from keras_boost.models import demo_resnet
 from keras_boost.training import to_rgb32
@@ -30,7 +30,11 @@ VARIANTS = {
     "O1-fn-off": ("O1", {"less_bn": {"fn_flag": False}}),
     "O1-freeze-off": ("O1", {"boost": {"mode": "manual", "grad_freeze": False}}),
     "O1-gc-off": ("O1", {"less_bn": {"gc_flag": False}}),
+    # the FN head's initial multiplier (keras_boost.less_bn.FN_SCALE): MindSpore's 1.0, 16
+    "O1-scale1": ("O1", None),
+    "O1-scale16": ("O1", None),
 }
+SCALES = {"O1-scale1": "mindspore", "O1-scale16": 16.0}
 
 
 def convnet():
@@ -64,6 +68,7 @@ def run(family, variant, seed, args, data):
     keras.utils.set_random_seed(seed)
     base = builder()
     level, config = VARIANTS[variant]
+    less_bn.FN_SCALE = SCALES.get(variant, "adacos")
     model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=level, boost_config=config)
     model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
                   metrics=["accuracy"])
