@@ -412,7 +412,7 @@ def _head_denses(graph, model_name):
     return heads
 
 
-FN_SCALE = "adacos"  # "adacos", "mindspore" (1.0) or a number: the FN head's initial multiplier
+FN_SCALE = 16.0  # the FN head's initial multiplier: a number, "mindspore" (1.0) or "adacos" (sqrt(2) ln(C-1))
 
 
 def fn_head_scale(classes):

@@ -5,7 +5,8 @@ swapped for BoostModel(..., boost_level=level) and nothing else changed:
   demo       the demo ResNet (BatchNorms, logits head), SGD(0.05, momentum 0.9)
   convnet    keras-io mnist_convnet (no BatchNorm, Dense(10, softmax) head, Dropout), Adam(1e-3)
   mobilenet  keras.applications.MobileNetV2(alpha=0.35, weights=None, softmax head) on 32x32x3, Adam(1e-3)
-Variants: O0, O1, and diagnostics O1-fn-off (O1 without the FN head), O1-freeze-off, O1-gc-off.
+Variants: O0, O1, and diagnostics O1-fn-off (O1 without the FN head), O1-freeze-off, O1-gc-off,
+O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
 Prints one JSON line per run: family, variant, seed, test accuracy, seconds.
 
     python scripts/bench_o1_accuracy.py --families convnet --variants O0 O1 --train-samples 10000 --epochs 3
@@ -30,11 +31,11 @@ VARIANTS = {
     "O1-fn-off": ("O1", {"less_bn": {"fn_flag": False}}),
     "O1-freeze-off": ("O1", {"boost": {"mode": "manual", "grad_freeze": False}}),
     "O1-gc-off": ("O1", {"less_bn": {"gc_flag": False}}),
-    # the FN head's initial multiplier (keras_boost.less_bn.FN_SCALE): MindSpore's 1.0, 16
+    # the FN head's initial multiplier (keras_boost.less_bn.FN_SCALE; default 16): MindSpore's 1.0, AdaCos'
     "O1-scale1": ("O1", None),
-    "O1-scale16": ("O1", None),
+    "O1-adacos": ("O1", None),
 }
-SCALES = {"O1-scale1": "mindspore", "O1-scale16": 16.0}
+SCALES = {"O1-scale1": "mindspore", "O1-adacos": "adacos"}
 
 
 def convnet():
@@ -68,7 +69,7 @@ def run(family, variant, seed, args, data):
     keras.utils.set_random_seed(seed)
     base = builder()
     level, config = VARIANTS[variant]
-    less_bn.FN_SCALE = SCALES.get(variant, "adacos")
+    less_bn.FN_SCALE = SCALES.get(variant, 16.0)
     model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=level, boost_config=config)
     model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
                   metrics=["accuracy"])
