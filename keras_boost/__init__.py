@@ -5,11 +5,21 @@ The public surface: `BoostModel`; the stages (`DynamicLossScale`, `FixedLossScal
 rewrite (`LessBN`, `FNHead`); MindSpore's names and flows (`AutoBoost`, `FreezeOpt`,
 `freeze_cell`, `OptimizerProcess`, `ParameterProcess`, `BoostTrainOneStep`,
 `BoostTrainOneStepWithLossScale`); and the modules `distributed`, `callbacks`, `elastic`,
-`step` (the stage contract and registry, for writing your own stage).
+`optimizers` (Keras optimizer wrappers usable with any `keras.Model`), `step` (the stage
+contract and registry, for writing your own stage).
 """
 
-from keras_boost import _keras_compat  # noqa: F401 - checks the Keras version first
-from keras_boost import distributed, step
+import os as _os
+import sys as _sys
+
+# The `keras-boost` command (and its horovodrun workers, `python -m keras_boost.app.cli`) must
+# not print TensorFlow's C++ start-up lines; TensorFlow reads the level when it is first imported.
+_ARGV = list(getattr(_sys, "orig_argv", _sys.argv))
+if any(_os.path.basename(a) == "keras-boost" for a in _ARGV[:2]) or "keras_boost.app.cli" in _ARGV[1:3]:
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_boost import _keras_compat  # noqa: E402,F401 - checks the Keras version first
+from keras_boost import distributed, optimizers, step  # noqa: E402
 from keras_boost.compat.auto_boost import AutoBoost
 from keras_boost.compat.params import OptimizerProcess, ParameterProcess
 from keras_boost.distributed import callbacks, elastic
@@ -24,8 +34,6 @@ from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, g
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
 from keras_boost.step.loop import BoostTrainOneStep, BoostTrainOneStepWithLossScale
 from keras_boost.step.state import BoostState
-
-import sys as _sys
 
 # `keras_boost.callbacks` and `keras_boost.elastic` are public module paths too
 # (`from keras_boost.callbacks import BackupAndRestore`); they live in distributed/.
@@ -54,6 +62,7 @@ __all__ = [
     "callbacks",
     "distributed",
     "elastic",
+    "optimizers",
     "freeze_cell",
     "generate_freeze_index_sequence",
     "split_parameters_groups",

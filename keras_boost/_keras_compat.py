@@ -64,6 +64,15 @@ def train_validation_split(*args, **kwargs):
     return array_slicing.train_validation_split(*args, **kwargs)
 
 
+def track_for_checkpoint(owner, trackable, name):
+    """Adds a `tf.train.Checkpoint` edge from `owner` to `trackable` (TensorFlow's trackable API).
+
+    Needed for boost state that is kept out of Keras' layer tracking (so that it is not a
+    model weight) but must still be saved by `tf.train.Checkpoint`.
+    """
+    owner._track_trackable(trackable, name=name)
+
+
 def flatten_layers(layer, include_self=True, recursive=True):
     """Every (nested) layer of `layer`. Since Keras 3.0; Keras has no public nested walk."""
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))

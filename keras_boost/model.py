@@ -32,7 +32,9 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             `DynamicLossScale` / `FixedLossScale`.
         gradient_accumulation: micro-batches per update (int) or a `GradientAccumulation`.
         gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
-        gradient_centralization: True, or a `GradientCentralization`.
+        gradient_centralization: True or "mindspore" (MindSpore's rule: conv/dense kernels
+            whose input channels are a multiple of 16), "all" (the keras-io recipe: every
+            gradient of rank 2 or more), or a `GradientCentralization`.
         adasum: True, or an `AdaSum` stage.
         nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
             update whose averaged gradient is not finite, before it reaches the weights
@@ -81,9 +83,11 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                             "with less_bn switched off")
         else:
             super().__init__(*args, **kwargs)
-        self.boost_state = BoostState()
-        # Keras tracks the layer for its own saving; tf.train.Checkpoint needs the edge too.
-        self._track_trackable(self.boost_state, name="boost_state")
+        # Boost state is training state, like optimizer slots: kept out of Keras' layer
+        # tracking (so weights, get_weights and count_params equal keras.Model's), yet saved
+        # by Keras' saving (which walks the attributes) and by tf.train.Checkpoint (the edge).
+        object.__setattr__(self, "boost_state", BoostState())
+        _keras_compat.track_for_checkpoint(self, self.boost_state, "boost_state")
         self.boost_step = None
         self.auto_boost = auto_boost
 
@@ -91,6 +95,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
                 nan_guard=True, stages=(), **kwargs):
+        from keras_boost.distributed.dropin import make_distributed_optimizer
+
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
                  "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
                  "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
@@ -102,6 +108,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 given[name] = value if given.get(name) is None else given[name]
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
         self.boost_step = BoostTrainOneStep(self, self.optimizer, sens=sens, stages=stages, **given)
         if self.built:
             self.boost_step.build(self.boost_state)
@@ -150,8 +157,15 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         self.boost_step.build(self.boost_state)
         return self.boost_step(data)
 
+    def make_train_function(self, force=False):
+        from keras_boost.distributed.dropin import without_jit_for_collectives
+
+        with without_jit_for_collectives(self):
+            return super().make_train_function(force=force)
+
     # ------------------------------------------------------ worker agreement
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
+        from keras_boost.distributed import dropin
         from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback, NonFiniteGuard
 
         callbacks = list(callbacks or [])
@@ -159,6 +173,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             callbacks.insert(0, NonFiniteGuard())
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
+        callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
         if distributed.size() > 1:
             # One collective before the first one of fit: same configuration everywhere
             # (ValueError otherwise), and the same number of steps per epoch (uneven data).
@@ -170,7 +185,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             try:
                 kwargs = data_sync.prepare_fit(self, _fit_arguments(args, kwargs))
                 args = ()
-                return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+                return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
             except tf.errors.OpError as error:
                 if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
                     raise
@@ -181,19 +196,34 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                     "stall warning above names the missing ranks and tensors)") from error
             finally:
                 guard.stop()
-        return super().fit(*args, callbacks=callbacks, verbose=_rank_zero_verbose(verbose), **kwargs)
+        return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
 
-    def evaluate(self, *args, verbose="auto", **kwargs):
-        return super().evaluate(*args, verbose=_rank_zero_verbose(verbose), **kwargs)
+    def evaluate(self, *args, verbose="auto", callbacks=None, **kwargs):
+        from keras_boost.distributed import dropin
+
+        callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
+        return super().evaluate(*args, verbose=verbose, callbacks=callbacks, **kwargs)
 
     def get_metrics_result(self):
-        """The metric results, averaged across workers when called between steps."""
+        """The metric results, averaged across workers when called between steps.
+
+        When the other workers have already finished (the `if rank == 0: model.evaluate(...)`
+        idiom at the end of a script), this worker's own results, with one warning.
+        """
+        from keras_boost.distributed import dropin
+
         results = super().get_metrics_result()
         if tf.inside_function() or distributed.size() == 1 or not results:
             return results
         # The workers' metric states are summed, so every sample weighs the same even when
-        # the workers evaluated different numbers of samples (uneven data).
+        # the workers evaluated different numbers of samples (uneven data); once the others
+        # have finished (rank-0-only evaluate), this worker's own results.
         from keras_boost.distributed import data_sync
+
+        try:
+            results = data_sync.metrics_result(self, super().get_metrics_result)
+        except tf.errors.OpError as error:
+            return dropin.alone_results(results, error)
 
         results = data_sync.metrics_result(self, super().get_metrics_result)
         return {n: float(keras.ops.convert_to_numpy(v)) if np.ndim(v) == 0 else v for n, v in results.items()}

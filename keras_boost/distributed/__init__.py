@@ -24,6 +24,7 @@ program.
 """
 
 import numbers
+import contextlib
 import os
 import weakref
 
@@ -49,6 +50,7 @@ class _State:
     counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
     counting = os.environ.get("KERAS_BOOST_COUNT_COLLECTIVES", "") == "1"
     names = weakref.WeakKeyDictionary()  # graph -> collectives named in it so far
+    boost_step_depth = 0  # > 0 while the boost step is traced (it averages by itself)
     comm = None  # the communicator given to init(comm=...)
     gpu = None  # {"device", "local_rank", "local_size", "how"} once a GPU is pinned
 
@@ -269,6 +271,20 @@ def local_size():
 
 def is_distributed():
     return size() > 1
+
+
+@contextlib.contextmanager
+def boost_step_scope():
+    """Marks the tracing of the boost step, whose optimizer calls must not average again."""
+    _state.boost_step_depth += 1
+    try:
+        yield
+    finally:
+        _state.boost_step_depth -= 1
+
+
+def in_boost_step():
+    return _state.boost_step_depth > 0
 
 
 def count_collectives(enabled=True):

@@ -67,7 +67,9 @@ def _state_variables(model):
     """Every variable a worker must agree on: model (boost state included), then optimizer; no duplicates."""
     found, seen = [], set()
     optimizer_variables = list(model.optimizer.variables) if getattr(model, "optimizer", None) is not None else []
-    for variable in list(model.variables) + optimizer_variables:
+    from keras_boost.step.state import state_variables
+
+    for variable in state_variables(model) + optimizer_variables:
         if id(variable) not in seen:
             seen.add(id(variable))
             found.append(variable)

@@ -7,7 +7,7 @@
 import keras
 from keras import ops
 
-from keras_boost._validation import check_int
+from keras_boost._validation import check_int, check_real
 
 # MindSpore's L2Normalize default epsilon, applied to the squared norm.
 _EPSILON = 1e-4
@@ -42,13 +42,14 @@ class FNHead(keras.layers.Layer):
     (2, 10)
     """
 
-    def __init__(self, units, kernel_initializer="glorot_uniform", **kwargs):
+    def __init__(self, units, kernel_initializer="glorot_uniform", initial_multiplier=1.0, **kwargs):
         super().__init__(**kwargs)
         self.units = check_int("units", units, 1)
+        self.initial_multiplier = check_real("initial_multiplier", initial_multiplier, low=0, low_inclusive=False)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 
     @classmethod
-    def from_dense(cls, dense):
+    def from_dense(cls, dense, initial_multiplier=1.0):
         """Builds an FN head with the name, dtype policy and kernel of a built Dense.
 
         The Dense bias is dropped, as MindSpore's LessBN does; keeping the Dense's
@@ -56,6 +57,7 @@ class FNHead(keras.layers.Layer):
 
         Args:
             dense: a built `keras.layers.Dense`.
+            initial_multiplier: the multiplier's starting value (default 1.0, MindSpore's).
 
         Returns:
             A built `FNHead` whose kernel equals `dense.kernel`.
@@ -64,7 +66,7 @@ class FNHead(keras.layers.Layer):
             raise TypeError(f"`dense` must be a keras.layers.Dense, got {type(dense).__name__}.")
         if not dense.built:
             raise ValueError(f"`dense` ({dense.name}) must be built to copy its kernel.")
-        head = cls(dense.units, name=dense.name, dtype=dense.dtype_policy)
+        head = cls(dense.units, name=dense.name, dtype=dense.dtype_policy, initial_multiplier=initial_multiplier)
         head.build((None, dense.kernel.shape[0]))
         head.kernel.assign(dense.kernel)
         return head
@@ -76,7 +78,8 @@ class FNHead(keras.layers.Layer):
         self.kernel = self.add_weight(
             name="kernel", shape=(input_dim, self.units), initializer=self.kernel_initializer
         )
-        self.multiplier = self.add_weight(name="multiplier", shape=(), initializer="ones")
+        self.multiplier = self.add_weight(name="multiplier", shape=(),
+                                          initializer=keras.initializers.Constant(self.initial_multiplier))
 
     def call(self, inputs):
         x_hat = _l2_normalize(ops.cast(inputs, "float32"), axis=-1)
@@ -93,6 +96,7 @@ class FNHead(keras.layers.Layer):
             {
                 "units": self.units,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "initial_multiplier": self.initial_multiplier,
             }
         )
         return config

@@ -51,6 +51,7 @@ copy of the same graph, with a warning.
 import contextlib
 import dataclasses
 import inspect
+import math
 import logging
 import warnings
 
@@ -408,6 +409,18 @@ def _head_denses(graph, model_name):
     return heads
 
 
+FN_SCALE = 16.0  # the FN head's initial multiplier: a number, "mindspore" (1.0) or "adacos" (sqrt(2) ln(C-1))
+
+
+def fn_head_scale(classes):
+    """The FN head's initial multiplier for `classes` outputs (see `FN_SCALE`)."""
+    if FN_SCALE == "mindspore":
+        return 1.0
+    if FN_SCALE == "adacos":
+        return max(1.0, math.sqrt(2.0) * math.log(max(classes - 1, 1)))
+    return float(FN_SCALE)
+
+
 def _rebuild(view, removed_layers, heads):
     """Clones `view` call by call: removed BNs become identity, heads become FNHead."""
     head_ids = {id(head) for head in heads}
@@ -417,7 +430,7 @@ def _rebuild(view, removed_layers, heads):
         if id(layer) in removed_layers:
             return layer
         if id(layer) in head_ids:
-            head = FNHead.from_dense(layer)
+            head = FNHead.from_dense(layer, initial_multiplier=fn_head_scale(layer.units))
             if layer.activation is not keras.activations.linear:
                 activations[id(head)] = _L.Activation(
                     layer.activation, name=f"{layer.name}_activation"

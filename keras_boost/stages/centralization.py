@@ -20,6 +20,7 @@ _PLAIN_CONVS = (_L.Conv1D, _L.Conv2D, _L.Conv3D)
 
 
 _MODEL_DEFAULT = object()  # `variables` left out: the model's gc_variables, chosen at build
+_EVERY_KERNEL = object()  # the keras-io rule: every trainable variable of rank >= 2, chosen at build
 
 
 class GradientCentralization(Stage):
@@ -50,7 +51,7 @@ class GradientCentralization(Stage):
     option = "gradient_centralization"
 
     def __init__(self, variables=_MODEL_DEFAULT, min_channels_multiple=16):
-        if variables is not _MODEL_DEFAULT and (not isinstance(variables, (list, tuple)) or not (
+        if variables not in (_MODEL_DEFAULT, _EVERY_KERNEL) and (not isinstance(variables, (list, tuple)) or not (
             all(isinstance(v, keras.Variable) for v in variables) or all(isinstance(v, str) for v in variables)
         )):
             raise TypeError(
@@ -60,8 +61,9 @@ class GradientCentralization(Stage):
         self.min_channels_multiple = check_int("min_channels_multiple", min_channels_multiple, 1)
         self.variables, self._selected = [], set()
         # None or paths are resolved from the model when the step is built.
-        self._resolve_at_build = variables is _MODEL_DEFAULT or any(isinstance(v, str) for v in variables)
-        self._paths = None if variables is _MODEL_DEFAULT else list(variables)
+        self._resolve_at_build = variables in (_MODEL_DEFAULT, _EVERY_KERNEL) or any(
+            isinstance(v, str) for v in variables)
+        self._paths = variables if variables in (_MODEL_DEFAULT, _EVERY_KERNEL) else list(variables)
         if not self._resolve_at_build:
             self._select(variables)
 
@@ -70,18 +72,32 @@ class GradientCentralization(Stage):
         self._selected = {id(v) for v in self.variables}
 
     @classmethod
+    def every_kernel(cls):
+        """The keras-io recipe: centralise every trainable variable of rank 2 or more."""
+        return cls(_EVERY_KERNEL, min_channels_multiple=1)
+
+    @classmethod
     def from_option(cls, value, model):
-        """None/False, True (the variables of `gc_variables(model)`) or a `GradientCentralization`."""
-        if value is True:
+        """None/False; True or "mindspore" (MindSpore's rule: the kernels of `gc_variables(model)`
+        whose input channels are a multiple of 16); "all" (the keras-io recipe: every trainable
+        variable of rank 2 or more); or a `GradientCentralization`."""
+        if value is True or (isinstance(value, str) and value == "mindspore"):
             return cls()
+        if isinstance(value, str) and value == "all":
+            return cls.every_kernel()
+        if isinstance(value, str):
+            raise ValueError(f"`gradient_centralization` must be a bool, 'mindspore', 'all' or a "
+                             f"GradientCentralization, got {value!r}.")
         return super().from_option(value, model)
 
     def build(self, context):
         if not self._resolve_at_build:
             return
         model = context.model
-        if self._paths is None:
+        if self._paths is _MODEL_DEFAULT:
             self._select(gc_variables(model))
+        elif self._paths is _EVERY_KERNEL:
+            self._select([v for v in model.trainable_variables if len(v.shape) >= 2])
         else:
             by_path = {v.path: v for v in model.trainable_variables}
             missing = [p for p in self._paths if p not in by_path]

@@ -162,6 +162,10 @@ class BoostTrainOneStep:
 
     # ---------------------------------------------------------------- step
     def __call__(self, data):
+        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
+            return self._call(data)
+
+    def _call(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if len(self._groups) == 1:
             loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)

@@ -7,6 +7,7 @@ other model variables.
 """
 
 import keras
+import numpy as np
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
@@ -17,6 +18,9 @@ class BoostState(keras.layers.Layer):
         kwargs.setdefault("name", "boost_state")
         super().__init__(trainable=False, **kwargs)
         self.built = True
+        # Values read from a file before the stage that owns them was built (the model
+        # was loaded before compile): applied when the stage creates the variable.
+        object.__setattr__(self, "_pending", {})
 
     def add_state(self, name, initial_value, dtype, shape=()):
         """Creates (or returns the existing) non-trainable variable called `name`."""
@@ -31,9 +35,44 @@ class BoostState(keras.layers.Layer):
             trainable=False,
             name=attribute,
         )
-        # An attribute, so that tf.train.Checkpoint finds it (Keras' own saving uses the order).
+        # An attribute, so that tf.train.Checkpoint finds it (Keras' own saving uses the name).
         setattr(self, attribute, variable)
+        if attribute in self._pending:
+            variable.assign(self._pending.pop(attribute))
         return variable
+
+    def save_own_variables(self, store):
+        """Saves each variable under its state name (files stay readable whatever was built)."""
+        for variable in self.variables:
+            store[variable.name] = variable
+
+    def load_own_variables(self, store):
+        """Loads the state saved by `save_own_variables`; an absent entry (a plain Keras file) keeps the value.
+
+        Values for state not created yet are kept and applied when the stage creates it.
+        """
+        by_name = {v.name: v for v in self.variables}
+        ordered = list(self.variables)
+        for key in list(store.keys()):
+            value = np.asarray(store[key])
+            if key.isdigit():  # files written before the state was saved by name
+                if int(key) < len(ordered):
+                    ordered[int(key)].assign(value)
+            elif key in by_name:
+                by_name[key].assign(value)
+            else:
+                self._pending[key] = value
 
     def call(self, inputs):
         return inputs
+
+
+def state_variables(model):
+    """The model's variables with its boost state (kept out of `model.variables`), no duplicates."""
+    found, seen = [], set()
+    state = getattr(model, "boost_state", None)
+    for variable in list(model.variables) + (list(state.variables) if isinstance(state, BoostState) else []):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found

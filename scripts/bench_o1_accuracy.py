@@ -1,0 +1,106 @@
+"""O0 against O1 test accuracy on three model families (issue 14, point 6).
+
+Each family is trained as its usual Keras recipe would train it, with keras.Model
+swapped for BoostModel(..., boost_level=level) and nothing else changed:
+  demo       the demo ResNet (BatchNorms, logits head), SGD(0.05, momentum 0.9)
+  convnet    keras-io mnist_convnet (no BatchNorm, Dense(10, softmax) head, Dropout), Adam(1e-3)
+  mobilenet  keras.applications.MobileNetV2(alpha=0.35, weights=None, softmax head) on 32x32x3, Adam(1e-3)
+Variants: O0, O1, and diagnostics O1-fn-off (O1 without the FN head), O1-freeze-off, O1-gc-off,
+O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
+Prints one JSON line per run: family, variant, seed, test accuracy, seconds.
+
+    python scripts/bench_o1_accuracy.py --families convnet --variants O0 O1 --train-samples 10000 --epochs 3
+"""
+
+import argparse
+import json
+import time
+
+import bench_common  # noqa: F401  (sys.path and log level)
+import keras
+import numpy as np
+
+from keras_boost import BoostModel
+from keras_boost.graph import less_bn
+from keras_boost.app.data import load_fashion_mnist
+from keras_boost.app.demo_net import demo_resnet
+from keras_boost.app.training import to_rgb32
+
+VARIANTS = {
+    "O0": ("O0", None),
+    "O1": ("O1", None),
+    "O1-fn-off": ("O1", {"less_bn": {"fn_flag": False}}),
+    "O1-freeze-off": ("O1", {"boost": {"mode": "manual", "grad_freeze": False}}),
+    "O1-gc-off": ("O1", {"less_bn": {"gc_flag": False}}),
+    # the FN head's initial multiplier (keras_boost.graph.less_bn.FN_SCALE; default 16): MindSpore's 1.0, AdaCos'
+    "O1-scale1": ("O1", None),
+    "O1-adacos": ("O1", None),
+}
+SCALES = {"O1-scale1": "mindspore", "O1-adacos": "adacos"}
+
+
+def convnet():
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(2),
+        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(2),
+        keras.layers.Flatten(), keras.layers.Dropout(0.5),
+        keras.layers.Dense(10, activation="softmax"),
+    ], name="mnist_convnet")
+
+
+def mobilenet():
+    return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
+
+
+FAMILIES = {
+    # name: (builder, optimizer, from_logits, rgb input)
+    "demo": (lambda: demo_resnet(model_class=keras.Model), lambda: keras.optimizers.SGD(0.05, momentum=0.9), True,
+             False),
+    "convnet": (convnet, lambda: keras.optimizers.Adam(1e-3), False, False),
+    "mobilenet": (mobilenet, lambda: keras.optimizers.Adam(1e-3), False, True),
+}
+
+
+def run(family, variant, seed, args, data):
+    (x, y), (xt, yt) = data
+    builder, optimizer, from_logits, rgb = FAMILIES[family]
+    if rgb:
+        x, xt = to_rgb32(x), to_rgb32(xt)
+    keras.utils.set_random_seed(seed)
+    base = builder()
+    level, config = VARIANTS[variant]
+    less_bn.FN_SCALE = SCALES.get(variant, 16.0)
+    model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=level, boost_config=config)
+    model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
+                  metrics=["accuracy"])
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
+    seconds = time.perf_counter() - start
+    accuracy = model.evaluate(xt, yt, batch_size=500, verbose=0, return_dict=True)["accuracy"]
+    return {"family": family, "variant": variant, "seed": seed, "test_accuracy": round(float(accuracy), 4),
+            "seconds": round(seconds, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["O0", "O1"])
+    parser.add_argument("--train-samples", type=int, default=10000)
+    parser.add_argument("--test-samples", type=int, default=5000)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    args = parser.parse_args()
+    x, y = load_fashion_mnist("train")
+    xt, yt = load_fashion_mnist("test")
+    order = np.random.default_rng(0).permutation(len(x))[:args.train_samples]
+    data = ((x[order], y[order]), (xt[:args.test_samples], yt[:args.test_samples]))
+    for family in args.families:
+        for variant in args.variants:
+            for seed in args.seeds:
+                print(json.dumps(run(family, variant, seed, args, data)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""BoostModel as a drop-in on 2 Horovod workers (issue 14): real processes under horovodrun."""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tests.launch import run_ok
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+import dropin as worker  # noqa: E402
+
+
+def _flat(model):
+    return [np.asarray(w).ravel() for w in model.get_weights()]
+
+
+def _assert_identical_across_ranks(found):
+    for a, b in zip(found[0]["weights"], found[1]["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def _global_batch_reference(epochs=2):
+    """One process, plain keras.Model, the same train_step, global batch = both ranks' batches."""
+
+    class Plain(keras.Model):
+        train_step = worker.CustomStep.train_step
+
+    x, y = worker.data()
+    n = len(x) // 2
+    b = worker.BATCH
+    order = np.concatenate([np.r_[i * b:(i + 1) * b, n + i * b:n + (i + 1) * b] for i in range(n // b)])
+    model = worker.compile_sgd(worker.mlp(Plain, seed=0))
+    model.fit(x[order], y[order], batch_size=2 * b, epochs=epochs, verbose=0, shuffle=False)
+    return _flat(model)
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_custom_train_step_on_two_workers_equals_one_process_with_the_global_batch(controller):
+    found = run_ok("dropin.py", np=2, controller=controller, args=["custom_step"], timeout=240)
+    _assert_identical_across_ranks(found)
+    reference = _global_batch_reference()
+    for got, want in zip(found[0]["weights"], reference):
+        np.testing.assert_allclose(np.array(got), want, atol=1e-5, rtol=0)
+    assert found[0]["loss"] == found[1]["loss"]  # epoch logs averaged across the workers
+
+
+def test_jit_compile_true_on_two_workers_trains_without_xla_and_warns_once():
+    found = run_ok("dropin.py", np=2, args=["jit"], timeout=240)
+    _assert_identical_across_ranks(found)
+    for rank in (0, 1):
+        assert len(found[rank]["jit_warnings"]) == 1, found[rank]["jit_warnings"]
+        assert "runs without XLA" in found[rank]["jit_warnings"][0]
+        assert found[rank]["jit_compile"] is True  # evaluate and predict keep XLA
+    assert found[0]["loss"] == pytest.approx(found[1]["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_rank_zero_only_evaluate_predict_and_save(tmp_path, controller):
+    found = run_ok("dropin.py", np=2, controller=controller, args=["rank0", str(tmp_path)], timeout=240)
+    zero, one = found[0], found[1]
+    # evaluate on all ranks averages
+    mean = (zero["all_local_loss"] + one["all_local_loss"]) / 2
+    assert zero["all_evaluate"] == pytest.approx(mean, rel=1e-5)
+    assert one["all_evaluate"] == pytest.approx(mean, rel=1e-5)
+    assert zero["all_local_loss"] != pytest.approx(one["all_local_loss"], rel=1e-3)  # the average is not trivial
+    # the idiom: no crash, rank 0's own numbers (one warning), a file that loads
+    assert zero["rank0_evaluate"] == pytest.approx(zero["rank0_local_loss"], rel=1e-5)
+    assert len(zero["rank0_warnings"]) == 1
+    assert "rank0_evaluate" not in one
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    x, _ = worker.data()
+    np.testing.assert_allclose(loaded.predict(x[:4], verbose=0), np.array(zero["rank0_predict"]), atol=1e-6)
+    assert (tmp_path / "model.weights.h5").exists()
+    _assert_identical_across_ranks(found)

@@ -1,0 +1,116 @@
+"""Issue 14 on 2 workers: custom train_step, jit_compile=True, rank-0-only evaluate/predict/save.
+
+    dropin.py custom_step   a BoostModel subclass with the usual Keras train_step (tape,
+                            self.optimizer.apply_gradients), each rank on its shard
+    dropin.py jit           compile(jit_compile=True), boost options on
+    dropin.py rank0 DIR     fit; evaluate on all ranks; then `if rank == 0: evaluate/predict/save`
+                            at the end of the script
+"""
+
+import sys
+import warnings
+
+from common import report  # noqa: E402  (puts the repository on sys.path)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_boost import BoostModel, distributed  # noqa: E402
+
+BATCH = 16
+STEPS = 6
+
+
+def data(n_per_rank=BATCH * STEPS, seed=1):
+    """Both ranks' shards (rank r uses rows r*n .. (r+1)*n)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2 * n_per_rank, 8)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(8, 4)), axis=1).astype(np.int32)
+    return x, y
+
+
+def mlp(model_class, seed=0):
+    keras.utils.set_random_seed(seed)
+    x_in = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="hidden")(x_in)
+    return model_class(x_in, keras.layers.Dense(4, name="logits")(h))
+
+
+class CustomStep(BoostModel):
+    """The usual Keras 3 custom train_step, unchanged."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def compile_sgd(model, **kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kwargs)
+    return model
+
+
+def flat(model):
+    return [np.asarray(w).ravel().tolist() for w in model.get_weights()]
+
+
+def local_loss(model, x, y):
+    return float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x)))
+
+
+def main():
+    mode = sys.argv[1]
+    distributed.init()
+    rank, size = distributed.rank(), distributed.size()
+    x, y = data()
+    n = len(x) // size
+    xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+    if mode == "custom_step":
+        model = compile_sgd(mlp(CustomStep, seed=rank))  # different starts: the broadcast must fix them
+        history = model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+        report(rank, weights=flat(model), loss=history.history["loss"])
+
+    elif mode == "jit":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = compile_sgd(mlp(BoostModel, seed=rank), jit_compile=True, loss_scale="dynamic",
+                                gradient_accumulation=2, metrics=["accuracy"])
+            model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+            loss = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]
+        jit_warnings = [str(w.message) for w in caught if "jit_compile" in str(w.message)]
+        report(rank, weights=flat(model), jit_warnings=jit_warnings, loss=loss, jit_compile=bool(model.jit_compile))
+
+    elif mode == "rank0":
+        directory = sys.argv[2]
+        model = compile_sgd(mlp(BoostModel), loss_scale="dynamic", metrics=["accuracy"])
+        model.fit(xs, ys, batch_size=BATCH, epochs=1, verbose=0)
+        values = {"all_evaluate": model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"],
+                  "all_local_loss": local_loss(model, xs, ys)}
+        if rank == 0:  # the Horovod idiom, at the end of the script: the other ranks exit meanwhile
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                values["rank0_evaluate"] = model.evaluate(xs, ys, batch_size=BATCH, verbose=0,
+                                                          return_dict=True)["loss"]
+            values["rank0_warnings"] = [str(w.message) for w in caught if "finished" in str(w.message)]
+            values["rank0_local_loss"] = local_loss(model, xs, ys)
+            values["rank0_predict"] = model.predict(xs[:4], verbose=0).tolist()
+            model.save(f"{directory}/model.keras")
+            model.save_weights(f"{directory}/model.weights.h5")
+        report(rank, weights=flat(model), **values)
+
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
