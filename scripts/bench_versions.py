@@ -1,12 +1,13 @@
-"""The boost step's cost in this tree against another revision, side by side.
+"""The boost step's cost at two revisions, side by side.
 
-    .venv/bin/python scripts/bench_versions.py --rev fca8656 --rounds 4
+    .venv/bin/python scripts/bench_versions.py --rev fca8656 --against HEAD --rounds 3
 
 Each round runs one process per version, taking turns (before, after, before, ...). A
 process times `BoostModel.fit` and plain `keras.Model.fit` on the demo ResNet (same
 weights and data, batch 128), the two models alternating epoch by epoch, and reports the
 median step of each; the ratio BoostModel / keras.Model cancels most of the machine's
-noise. The other revision is checked out with `git worktree` into a temporary folder.
+noise. Both revisions are checked out with `git worktree` into temporary folders, so the
+working tree can change while it runs.
 """
 
 import argparse
@@ -72,19 +73,22 @@ def run(tree, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", required=True, help="the revision to compare with, e.g. fca8656")
+    parser.add_argument("--rev", required=True, help="the revision before, e.g. fca8656")
+    parser.add_argument("--against", default="HEAD", help="the revision after (default HEAD)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per model and process")
     args = parser.parse_args()
-    other = tempfile.mkdtemp(prefix="kb_rev_")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", other, args.rev], check=True,
-                   capture_output=True)
+    trees = {}
+    for rev in (args.rev, args.against):
+        trees[rev] = tempfile.mkdtemp(prefix="kb_rev_")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", trees[rev], rev], check=True,
+                       capture_output=True)
     try:
-        results = {args.rev: [], "this tree": []}
+        results = {rev: [] for rev in trees}
         for _ in range(args.rounds):
-            results[args.rev].append(run(other, args))
-            results["this tree"].append(run(ROOT, args))
+            for rev, tree in trees.items():
+                results[rev].append(run(tree, args))
         print(f"load average after: {os.getloadavg()}")
         print("| version | BoostModel step (ms) | keras.Model step (ms) | BoostModel / keras.Model (median of rounds) |")
         print("|---|---|---|---|")
@@ -95,8 +99,9 @@ def main():
             spread = ", ".join(f"{r['boost'] / r['keras']:.3f}" for r in rows)
             print(f"| {name} | {1000 * boost:.1f} | {1000 * plain:.1f} | {ratio:.3f} ({spread}) |")
     finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other], capture_output=True)
-        shutil.rmtree(other, ignore_errors=True)
+        for tree in trees.values():
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
+            shutil.rmtree(tree, ignore_errors=True)
 
 
 if __name__ == "__main__":
