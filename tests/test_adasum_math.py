@@ -55,6 +55,23 @@ def test_pair_accumulates_float32_in_float64():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_pair_of_long_cancelling_vectors_is_exact():
+    # a = [u, u], b = [v, -v] with small integers: the products, the dot product (exactly 0)
+    # and both squared norms (< 2^53) are exact in float64, so AdaSum returns a + b exactly.
+    # In float32 the running sums pass 2^24 and lose their low bits: the dot product comes out
+    # non-zero (measured with segment_sum in float32: 32444 instead of 0, a coefficient of
+    # 0.99961 instead of 1).
+    rng = np.random.default_rng(5)
+    u = rng.integers(1, 8, size=1 << 20).astype(np.float32)
+    v = rng.integers(500, 1000, size=1 << 20).astype(np.float32)
+    a, b = np.concatenate([u, u]), np.concatenate([v, -v])
+    assert (a.astype(np.float64) @ b.astype(np.float64)) == 0.0
+    got = adasum_pair(tf.constant(a), tf.constant(b)).numpy()
+    np.testing.assert_array_equal(got, a + b)
+    got_tree = adasum_tree([tf.constant(a), tf.constant(b)]).numpy()
+    np.testing.assert_array_equal(got_tree, a + b)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_tree_matches_numpy_rule(n):
     rng = np.random.default_rng(n)
