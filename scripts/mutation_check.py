@@ -109,6 +109,11 @@ BREAKS = (
           "keras_boost/graph/less_bn.py",
           "    removed_nodes = _plan_removals(graph)", "    removed_nodes = {}",
           ("tests/test_less_bn.py::test_residual_cnn_keeps_the_last_branch_bn_and_the_stem",)),
+    Break("elastic_restore_skipped", "elastic state restore leaves the variables as they are",
+          "keras_boost/distributed/elastic.py",
+          "        for variable, value in zip(self.variables, self._values):\n            variable.assign(value)",
+          "        pass",
+          ("tests/test_elastic.py::test_state_restores_model_optimizer_and_boost_state",)),
     Break("sens_ignored", "the step ignores `sens`",
           "keras_boost/step/loop.py",
           "            target = loss * self.sens if self.sens != 1.0 else loss", "            target = loss",
@@ -146,6 +151,12 @@ def failed_tests(output):
     return sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.MULTILINE)))
 
 
+def first_error(output):
+    """The first `E   ...` line of pytest's report: what the failing assertion said."""
+    found = re.search(r"^E\s+(.+)$", output, flags=re.MULTILINE)
+    return found.group(1).strip()[:160] if found else ""
+
+
 def run_break(brk, python):
     """Applies `brk` to a copy of the repository and runs its tests there; returns a result dict."""
     check_snippet(brk)
@@ -169,14 +180,16 @@ def run_break(brk, python):
     # exit code 1: tests failed (caught); 0: all passed (missed); anything else: a broken run
     caught = code == 1 and bool(failures)
     return {"name": brk.name, "caught": caught, "failed": failures, "code": code, "seconds": elapsed,
-            "tail": output[-3000:]}
+            "error": first_error(output), "tail": output[-3000:]}
 
 
 def table(results):
-    lines = ["| break | caught | tests that failed | seconds |", "|---|---|---|---|"]
+    lines = ["| break | caught | tests that failed | first error | seconds |", "|---|---|---|---|---|"]
     for r in results:
         failed = "<br>".join(f"`{t}`" for t in r["failed"]) or f"none (pytest exit {r['code']})"
-        lines.append(f"| `{r['name']}` | {'yes' if r['caught'] else '**NO**'} | {failed} | {r['seconds']:.0f} |")
+        error = r["error"].replace("|", "\\|").replace("`", "'")
+        lines.append(f"| `{r['name']}` | {'yes' if r['caught'] else '**NO**'} | {failed} | {error} "
+                     f"| {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -185,6 +198,7 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true", help="list the breaks and the tests that must catch them")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only this break (repeatable)")
     parser.add_argument("--verify", action="store_true", help="only check that every snippet is still in the source")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table to FILE (e.g. a copy for docs/)")
     parser.add_argument("--python", default=sys.executable, help="the Python with TF, Keras, Horovod and pytest")
     args = parser.parse_args(argv)
 
@@ -207,13 +221,20 @@ def main(argv=None):
     for brk in selected:
         print(f"[mutation] {brk.name}: {brk.what} ...", flush=True)
         result = run_break(brk, args.python)
-        verdict = "caught by " + ", ".join(result["failed"]) if result["caught"] else "NOT CAUGHT"
+        verdict = ("caught by " + ", ".join(result["failed"]) + f": {result['error']}" if result["caught"]
+                   else "NOT CAUGHT")
         print(f"[mutation] {brk.name}: {verdict} ({result['seconds']:.0f} s)", flush=True)
         if not result["caught"]:
             print(result["tail"], flush=True)
         results.append(result)
     print()
     print(table(results))
+    if args.markdown:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        command = " ".join(["scripts/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
+        Path(args.markdown).write_text(f"Command: `{command}`, {stamp}, {len(results)} breaks, "
+                                       f"{sum(r['seconds'] for r in results) / 60:.1f} minutes.\n\n"
+                                       + table(results) + "\n")
     missed = [r["name"] for r in results if not r["caught"]]
     if missed:
         print(f"\nNOT CAUGHT: {', '.join(missed)}")

@@ -7,7 +7,8 @@ SIGKILLed in the middle of an epoch, training goes on with one worker, Horovod l
 failed "host" back in after its blacklist cool-down and a new worker joins; the run must
 finish with the requested epochs, identical weights on both workers, and weights equal
 to a plain Keras model that replays exactly the committed batches (nothing lost twice,
-nothing applied twice). 35-70 s on 2 cores (the whole file: under a minute); every launch has a hard timeout.
+nothing applied twice). The elastic run is repeated with AdaSum(device_number=1). 35-70 s
+per run on 2 cores; every launch has a hard timeout.
 """
 
 import os

@@ -1,5 +1,7 @@
 """Rank 1 raises in the middle of training; rank 0 would wait for it in the allreduce."""
 
+import time
+
 from common import report
 
 import keras
@@ -11,6 +13,7 @@ from tests.helpers import classification_data, compile_sgd, mlp
 class FailOnRankOne(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 3 and distributed.rank() == 1:
+            print(f"KB_FAILURE_AT {time.time()}", flush=True)  # the test times the end from here
             raise RuntimeError("injected failure on rank 1")
 
 
