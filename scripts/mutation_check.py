@@ -93,7 +93,7 @@ BREAKS = (
           "keras_boost/stages/centralization.py",
           "    def transform(self, grads, variables):\n        return self.apply(grads, variables)",
           "    def transform(self, grads, variables):\n        return grads",
-          ("tests/test_centralization.py",)),
+          ("tests/test_centralization.py::test_the_boost_step_applies_centralized_gradients",)),
     Break("adasum_float32", "AdaSum's dot products and norms accumulated in float32, not float64",
           "keras_boost/stages/adasum_ops.py",
           "    a64 = tf.cast(a, tf.float64)\n    b64 = tf.cast(b, tf.float64)",
@@ -153,8 +153,9 @@ def failed_tests(output):
 
 def first_error(output):
     """The first `E   ...` line of pytest's report: what the failing assertion said."""
-    found = re.search(r"^E\s+(.+)$", output, flags=re.MULTILINE)
-    return found.group(1).strip()[:160] if found else ""
+    lines = [line.strip() for line in re.findall(r"^E[ \t]+(.*)$", output, flags=re.MULTILINE)]
+    lines = [line for line in lines if line and line not in ("AssertionError:", "AssertionError")]
+    return lines[0][:120] if lines else ""
 
 
 def run_break(brk, python):

@@ -180,7 +180,10 @@ def _horovodrun_elastic(env, timeout):
     full_env = dict(os.environ)
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
                      # a collective that never completes becomes an error instead of a hang
-                     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"})
+                     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60",
+                     # a joining worker imports TensorFlow before it reaches the rendezvous: more
+                     # than Gloo's default 30 s on a loaded 2-core machine (seen: both runs aborted)
+                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
     full_env.update(env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True)
