@@ -47,12 +47,31 @@ def test_pair_random_matches_numpy(eps):
 
 
 def test_pair_accumulates_float32_in_float64():
-    # 2^20 float32 squares: a float32 sum would drift by ~1e-4 relative; float64 does not.
+    # 2^20 random float32 values: the result is the float64 rule rounded once to float32
+    # (within one ulp). Random terms hide a float32 accumulation (its coefficient error,
+    # ~5e-8, stays under an ulp); test_pair_of_long_cancelling_vectors_is_exact catches it.
     rng = np.random.default_rng(1)
     a, b = rng.normal(size=(2, 1 << 20)).astype(np.float32)
     got = adasum_pair(tf.constant(a), tf.constant(b)).numpy()
-    np.testing.assert_allclose(got, np_pair(a.astype(np.float64), b.astype(np.float64)),
-                               rtol=1e-6, atol=1e-6)
+    expected = np_pair(a.astype(np.float64), b.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_max_ulp(got, expected, maxulp=1)
+
+
+def test_pair_of_long_cancelling_vectors_is_exact():
+    # a = [u, u], b = [v, -v] with small integers: the products, the dot product (exactly 0)
+    # and both squared norms (< 2^53) are exact in float64, so AdaSum returns a + b exactly.
+    # In float32 the running sums pass 2^24 and lose their low bits: the dot product comes out
+    # non-zero (measured with segment_sum in float32: 32444 instead of 0, a coefficient of
+    # 0.99961 instead of 1).
+    rng = np.random.default_rng(5)
+    u = rng.integers(1, 8, size=1 << 20).astype(np.float32)
+    v = rng.integers(500, 1000, size=1 << 20).astype(np.float32)
+    a, b = np.concatenate([u, u]), np.concatenate([v, -v])
+    assert (a.astype(np.float64) @ b.astype(np.float64)) == 0.0
+    got = adasum_pair(tf.constant(a), tf.constant(b)).numpy()
+    np.testing.assert_array_equal(got, a + b)
+    got_tree = adasum_tree([tf.constant(a), tf.constant(b)]).numpy()
+    np.testing.assert_array_equal(got_tree, a + b)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])

@@ -10,7 +10,7 @@ from keras_boost import AdaSum, AutoBoost, BoostModel, GradientCentralization
 from keras_boost.config import DEFAULTS, FEATURES
 from keras_boost.stages.freeze import FreezeSchedule
 from keras_boost.app.demo_net import demo_resnet
-from tests.helpers import classification_data, mlp
+from tests.helpers import classification_data
 
 
 @pytest.mark.parametrize("level, on", [("O0", set()), ("O1", {"less_bn", "grad_freeze"}),
@@ -102,10 +102,26 @@ def test_network_auto_process_train_resnet50():
     base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
     model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.01, momentum=0.9))
     assert model.less_bn_report.num_removed == 36
+    assert sum(isinstance(l, keras.layers.BatchNormalization) for l in model.layers) == 53 - 36
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step = model.boost_step
+    assert isinstance(step.freeze, FreezeSchedule) and len(step.freeze.group_indices) == 2
+    assert isinstance(step.centralization, GradientCentralization) and step.adasum is None
     x = np.random.default_rng(0).random((8, 32, 32, 3), dtype=np.float32)
-    logs = model.train_on_batch(x, np.arange(8) % 10, return_dict=True)
-    assert np.isfinite(logs["loss"])
+    y = np.arange(8) % 10
+    groups = []
+    for _ in range(2):
+        before = [np.array(v) for v in model.trainable_variables]
+        logs = model.train_on_batch(x, y, return_dict=True)
+        assert np.isfinite(logs["loss"])
+        group = int(logs["freeze_group"])
+        groups.append(group)
+        trained = set(step.freeze.group_indices[group])
+        for index, (variable, old) in enumerate(zip(model.trainable_variables, before)):
+            # the step's group trained (every one of its variables moved), the rest stayed bit-identical
+            assert np.array_equal(np.array(variable), old) == (index not in trained), (group, variable.path)
+    assert groups == [int(g) for g in step.freeze.plan.schedule[:2]]
+    assert int(model.optimizer.iterations.numpy()) == 2
 
 
 def test_boost_level_on_the_model():
@@ -141,4 +157,6 @@ def test_boost_level_without_less_bn_on_a_subclassed_model():
 
 def test_features_list_is_the_seed_subset():
     assert FEATURES == ("less_bn", "grad_freeze", "adasum", "grad_accumulation")
-    assert isinstance(mlp(), BoostModel)
+    for feature in FEATURES:  # each is a switch of its own: manual mode turns on exactly it
+        auto = AutoBoost("O0", {"boost": {"mode": "manual", feature: True}})
+        assert {k for k, v in auto.features.items() if v} == {feature}

@@ -90,3 +90,64 @@ def test_configuration_files_are_json_only(tmp_path, bad):
     path.write_text(bad)
     with pytest.raises(ValueError, match="not valid JSON"):
         AutoBoost("O1", str(path))
+
+
+# ------------------------------------------------ values inside the documented ranges
+# The sweeps above accept any TypeError/ValueError, so a constructor that refused every
+# value would pass them; these draw only documented values, which must all be accepted
+# (an exception fails the test) and kept value for value.
+VALID = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+positive = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@VALID
+@given(init=st.floats(1.0, 2.0**24), factor=st.one_of(st.integers(2, 16), st.floats(1.001, 16.0)),
+       window=st.integers(1, 100000), hysteresis=st.integers(1, 20), headroom=st.one_of(st.none(), st.floats(1.0, 8.0)))
+def test_dynamic_loss_scale_accepts_documented_values(init, factor, window, hysteresis, headroom):
+    high = None if headroom is None else init * headroom
+    scale = DynamicLossScale(init, factor, window, 1, high, hysteresis)
+    assert (scale.init_scale, scale.scale_factor, scale.scale_window) == (init, factor, window)
+    assert (scale.min_scale, scale.max_scale, scale.hysteresis) == (1, high, hysteresis)
+
+
+@VALID
+@given(value=positive, drop=st.booleans(), steps=st.integers(1, 10000))
+def test_fixed_scale_and_accumulation_accept_documented_values(value, drop, steps):
+    fixed = FixedLossScale(value, drop)
+    assert fixed.value == value and fixed.drop_overflow_update is drop
+    assert GradientAccumulation(steps).max_accumulation_step == steps
+
+
+@VALID
+@given(groups=st.integers(1, 50), kind=st.sampled_from([0, 1]), p=st.floats(1e-3, 1.0), total=st.integers(1, 3000),
+       seed=st.integers(0, 2**32 - 1))
+def test_gradient_freeze_accepts_documented_values(groups, kind, p, total, seed):
+    freeze = GradientFreeze(groups, kind, p, total, seed)
+    assert freeze.get_config() == {"param_groups": groups, "freeze_type": kind, "freeze_p": p,
+                                   "total_steps": total, "seed": seed}
+    sequence = freeze.generate_freeze_index_sequence()
+    assert len(sequence) >= total and sequence.min() >= 0 and sequence.max() < groups
+
+
+@VALID
+@given(rank=st.one_of(st.none(), st.integers(0, 1000)), device_number=st.one_of(st.none(), st.integers(1, 64)),
+       group_number=st.one_of(st.none(), st.integers(1, 64)), backend=st.sampled_from(["auto", "native", "exact"]))
+def test_adasum_accepts_documented_values(rank, device_number, group_number, backend):
+    stage = AdaSum(rank, device_number, group_number, None, backend)
+    assert (stage.rank, stage.device_number, stage.group_number, stage.backend) == (
+        rank, device_number, group_number, backend)
+
+
+@VALID
+@given(level=st.sampled_from(["O0", "O1", "O2"]), mode=st.sampled_from(MODES),
+       freeze_p=st.floats(1e-3, 1.0), total_steps=st.integers(1, 100000), param_groups=st.integers(1, 50),
+       accumulation=st.integers(1, 64))
+def test_autoboost_accepts_documented_values(level, mode, freeze_p, total_steps, param_groups, accumulation):
+    config = {"boost": {"mode": mode},
+              "grad_freeze": {"freeze_p": freeze_p, "total_steps": total_steps, "param_groups": param_groups},
+              "grad_accumulation": {"grad_accumulation_step": accumulation}}
+    auto = AutoBoost(level, config)
+    assert (auto.level, auto.mode) == (level, mode)
+    assert auto.params["grad_freeze"] == {**DEFAULTS["grad_freeze"], **config["grad_freeze"]}
+    assert auto.params["grad_accumulation"]["grad_accumulation_step"] == accumulation
+    json.dumps(auto.get_config())

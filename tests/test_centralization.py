@@ -110,3 +110,35 @@ def test_apply_rejects_lists_of_different_lengths():
     stage = GradientCentralization(gc_variables(model))
     with pytest.raises(ValueError, match="same length, got 1 gradients and 2 variables"):
         stage.apply([tf.ones((16, 16))], model.trainable_variables)
+
+
+def test_the_boost_step_applies_centralized_gradients():
+    """One plain-SGD step with gradient_centralization equals w - lr * (g - mean(g)) from a
+    NumPy centring of the plain Keras gradient; the bias and the non-multiple kernel are not centred."""
+    from keras_boost import BoostModel
+
+    def net(model_class):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(16, activation="tanh", name="first")(inputs)  # input channels 6: left out
+        return model_class(inputs, keras.layers.Dense(3, name="second")(h))  # input channels 16: centred
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 3, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = net(keras.Model)
+    with tf.GradientTape() as tape:
+        value = loss(y, reference(x, training=True))
+    grads = {v.path: g.numpy() for v, g in zip(reference.trainable_variables,
+                                                tape.gradient(value, reference.trainable_variables))}
+    model = net(BoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, gradient_centralization=True)
+    before = {v.path: np.array(v) for v in model.trainable_variables}
+    model.train_on_batch(x, y)
+    assert [v.path for v in model.boost_step.centralization.variables] == ["first/kernel", "second/kernel"]
+    for variable in model.trainable_variables:
+        g = grads[variable.path]
+        if variable.path == "second/kernel":
+            assert np.abs(g.mean(axis=0)).max() > 1e-3  # the centring changes something
+            g = g - g.mean(axis=0, keepdims=True)
+        np.testing.assert_allclose(np.array(variable), before[variable.path] - 0.5 * g, rtol=0, atol=1e-6)

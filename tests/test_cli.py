@@ -6,10 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "keras_boost.app.cli"]
+
+
+def expected_frozen_share(updates):
+    """The share of frozen steps of O1's default schedule sized to `updates` (what the CLI does)."""
+    from keras_boost import GradientFreeze
+
+    sequence = GradientFreeze(total_steps=updates).generate_freeze_index_sequence()[:updates]
+    return round(float(np.mean(sequence > 0)), 3)
 
 
 def keras_boost(*args, timeout=300):
@@ -34,17 +43,26 @@ def test_train_single_process_with_level_and_checkpoint(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 1 and summary["level"] == "O1"
     assert summary["batchnorms_removed"] == "5 of 9" and summary["overflows"] == 0
-    assert 0 <= summary["frozen_step_share"] <= 1
+    # 3 updates of O1's default schedule [0, 3, 0, ...]: one of three steps frozen
+    assert summary["frozen_step_share"] == expected_frozen_share(3) == 0.333
     assert (tmp_path / "model.weights.h5").exists()
 
 
 def test_train_two_workers():
     args = ["train", "--np", "2", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1",
-            "--batch-size", "32", "--steps-per-epoch", "2", "--json"]
+            "--batch-size", "32", "--steps-per-epoch", "2", "--level", "O1", "--json"]
     result = keras_boost(*args)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    line = next(l for l in result.stdout.splitlines() if '"workers"' in l)
-    assert json.loads(line[line.index("{"):])["workers"] == 2
+    launch = next(l for l in result.stdout.splitlines() if l.startswith("launching: "))
+    assert " -np 2 " in launch and "horovodrun" in launch
+    lines = [l for l in result.stdout.splitlines() if '"workers"' in l]
+    assert len(lines) == 1, lines  # rank 0 alone reports
+    summary = json.loads(lines[0][lines[0].index("{"):])
+    assert summary["workers"] == 2 and summary["epochs"] == 1 and summary["level"] == "O1"
+    assert summary["batchnorms_removed"] == "5 of 9"
+    # 2 updates of the schedule [0, 3]: the second step of both workers was a frozen one
+    assert summary["frozen_step_share"] == expected_frozen_share(2) == 0.5
+    assert np.isfinite(summary["train_loss"]) and 0 <= summary["test_accuracy"] <= 1
 
 
 def test_bench_writes_table_and_plot(tmp_path):

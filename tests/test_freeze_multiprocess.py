@@ -18,6 +18,12 @@ def test_freeze_training_agrees_across_workers(controller):
     # one fused allreduce per update (only the group's gradients), plus the epoch-log averages
     assert first["collectives"] == second["collectives"] == 18
     for result in (first, second):
+        # every step on every worker: the frozen variables and their momentum slots are
+        # bit-identical across the step, and every variable of the trained group moved
+        assert all(result["frozen_untouched"]), result["frozen_untouched"]
+        assert all(result["trained_moved"]), result["trained_moved"]
+        frozen_steps = [count for group, count in zip(result["groups"], result["frozen_counts"]) if group]
+        assert len(frozen_steps) >= 3 and all(count > 0 for count in frozen_steps)
         assert result["finite"]
         assert result["after"] < 0.7 * result["before"], result
     assert first["history"][-1] < first["history"][0]

@@ -346,10 +346,22 @@ def test_frozen_prefix_has_no_backward_ops():
     # and the update touches only the group's variables: fewer optimizer writes per branch
     writes = [c["AssignVariableOp"] + c["AssignSubVariableOp"] + c["AssignAddVariableOp"] for c in counts]
     assert writes[0] > writes[1] > writes[2] > writes[3]
-    # still trains: one step of each group on real data changes the loss
+    # still trains: one step of each group on real data changes the loss, and moves exactly
+    # the group's variables (the frozen prefix stays bit-identical)
     x = np.random.default_rng(0).normal(size=(32, 8, 8, 1)).astype(np.float32)
     y = np.arange(32) % 3
-    assert train(model, [(x, y)] * 4) == [0, 1, 2, 3]
+    logged = []
+    for group in range(4):
+        trained_ids = {id(v) for v in groups[group]}
+        loss_before = model.evaluate(x, y, batch_size=32, verbose=0)
+        before = weights(model)
+        logged += train(model, [(x, y)])
+        loss_after = model.evaluate(x, y, batch_size=32, verbose=0)
+        assert abs(loss_after - loss_before) > 1e-6, (group, loss_before, loss_after)
+        for variable, old in zip(model.trainable_variables, before):
+            moved = not np.array_equal(np.array(variable), old)
+            assert moved == (id(variable) in trained_ids), (group, variable.path)
+    assert logged == [0, 1, 2, 3]
 
 
 # ------------------------------------------------------------------------ bad input
@@ -365,30 +377,37 @@ def _non_trainable_opt(model, optimizer):
     return FreezeOpt(optimizer, [list(model.trainable_variables) + [moving_mean]])
 
 
-BAD = {
-    "string": (lambda model, optimizer: "freeze", TypeError),
-    "true": (lambda model, optimizer: True, TypeError),
-    "int": (lambda model, optimizer: 10, TypeError),
-    "class": (lambda model, optimizer: GradientFreeze, TypeError),
-    "dict": (lambda model, optimizer: {"param_groups": 2}, TypeError),
-    "groups_list": (lambda model, optimizer: split_parameters_groups(model, 3), TypeError),
-    "optimizer": (lambda model, optimizer: optimizer, TypeError),
-    "foreign_variable": (_foreign_variable_opt, ValueError),
-    "non_trainable_variable": (_non_trainable_opt, ValueError),
+_NOT_FREEZE = "`gradient_freeze` must be a GradientFreeze or a FreezeOpt, got "
+BAD = {  # case: (make the value, error type, message pattern)
+    "string": (lambda model, optimizer: "freeze", TypeError, _NOT_FREEZE + "str"),
+    "true": (lambda model, optimizer: True, TypeError, _NOT_FREEZE + "bool"),
+    "int": (lambda model, optimizer: 10, TypeError, _NOT_FREEZE + "int"),
+    "class": (lambda model, optimizer: GradientFreeze, TypeError, _NOT_FREEZE + "type"),
+    "dict": (lambda model, optimizer: {"param_groups": 2}, TypeError, _NOT_FREEZE + "dict"),
+    "groups_list": (lambda model, optimizer: split_parameters_groups(model, 3), TypeError, _NOT_FREEZE + "list"),
+    "optimizer": (lambda model, optimizer: optimizer, TypeError, _NOT_FREEZE + "SGD"),
+    "foreign_variable": (_foreign_variable_opt, ValueError,
+                         r"Group 1 of `freeze_opt` holds variables that are not trainable variables of `model`: "
+                         r"\['d0/kernel'\]"),
+    "non_trainable_variable": (_non_trainable_opt, ValueError,
+                               r"Group 0 of `freeze_opt` holds variables that are not trainable variables of "
+                               r"`model`: \['bn0/moving_mean'\]"),
     "duplicate_variable": (
-        lambda model, optimizer: FreezeOpt(optimizer, [model.trainable_variables[:1] * 2]), ValueError),
+        lambda model, optimizer: FreezeOpt(optimizer, [model.trainable_variables[:1] * 2]), ValueError,
+        "Group 0 of `freeze_opt` holds a variable more than once"),
     "other_optimizer": (
         lambda model, optimizer: FreezeOpt(keras.optimizers.SGD(0.3), split_parameters_groups(model, 3)),
-        ValueError),
+        ValueError, r"The optimizer of `gradient_freeze` \(a FreezeOpt\) must be the optimizer the model is "
+                    r"compiled with"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_gradient_freeze_is_refused_at_compile(case):
-    make, error = BAD[case]
+    make, error, message = BAD[case]
     model = deep_mlp()
     optimizer = keras.optimizers.SGD(0.05)
-    with pytest.raises(error):
+    with pytest.raises(error, match=message):
         model.compile(optimizer=optimizer, loss=LOSS, gradient_freeze=make(model, optimizer))
 
 
@@ -396,13 +415,13 @@ def test_freeze_opt_bad_arguments():
     model = deep_mlp()
     optimizer = keras.optimizers.SGD(0.05)
     groups = split_parameters_groups(model, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"`train_strategy` holds group indices in \[0, 3\), got 3 at position 1"):
         FreezeOpt(optimizer, groups, [0, 3])  # index out of range
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="`train_strategy` was given without `train_parameter_groups`"):
         FreezeOpt(optimizer, None, [0])  # strategy without groups
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="`train_parameter_groups` element 0 is empty"):
         FreezeOpt(optimizer, [[]])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="`opt` must be a keras.optimizers.Optimizer instance, got str"):
         FreezeOpt("sgd", groups)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Every element of `train_strategy` must be an int, got 0.5 \(float\)"):
         FreezeOpt(optimizer, groups, [0.5, 1])

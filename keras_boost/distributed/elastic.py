@@ -36,6 +36,7 @@ worker ends the run, as usual.
 
 import logging
 import os
+import types
 
 import keras
 import numpy as np
@@ -271,7 +272,9 @@ def _rebuild_adasum(model):
         return
     _check_adasum(adasum)
     adasum.built = False
-    adasum.build(model.boost_state, list(model.trainable_variables))
+    # the stage contract's build(context); a plain namespace, as distributed/ sits below step/
+    adasum.build(types.SimpleNamespace(model=model, optimizer=model.optimizer, state=model.boost_state,
+                                       variables=list(model.trainable_variables)))
 
 
 # ------------------------------------------------------------------- run

@@ -132,7 +132,8 @@ def main():
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), weights))
     report(distributed.rank(), size=distributed.size(), digest=digest, epochs=state.epoch, history=history,
            log=state.log, resets=state.resets, joined_late=joined_late, reference_diff=diff,
-           iterations=int(model.optimizer.iterations.numpy()), seconds=seconds)
+           iterations=int(model.optimizer.iterations.numpy()), seconds=seconds,
+           adasum_groups=model.boost_step.adasum.groups if ADASUM else None)
 
 
 if __name__ == "__main__":

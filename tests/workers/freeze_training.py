@@ -31,12 +31,39 @@ def small_cnn(seed):
 
 
 class GroupRecorder(keras.callbacks.Callback):
+    """Records each step's group and checks what the step changed (fit runs one step per batch).
+
+    For every step: the trainable variables outside the logged group and their optimizer
+    slots (SGD momentum) must be bit-identical before and after it; those of the group
+    must have moved.
+    """
+
     def __init__(self):
         super().__init__()
         self.groups = []
+        self.frozen_untouched = []  # per step: frozen variables and slots bit-identical
+        self.trained_moved = []  # per step: every variable of the group moved
+        self.frozen_counts = []  # per step: how many variables the step froze
+
+    def _snapshot(self):
+        variables = self.model.trainable_variables
+        slots = self.model.optimizer.momentums  # built on trainable_variables, in that order
+        return [(np.array(v), np.array(s)) for v, s in zip(variables, slots)]
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before = self._snapshot()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.groups.append(int(logs["freeze_group"]))
+        group = int(logs["freeze_group"])
+        self.groups.append(group)
+        in_group = set(self.model.boost_step.freeze.group_indices[group])
+        after = self._snapshot()
+        frozen = [i for i in range(len(after)) if i not in in_group]
+        self.frozen_counts.append(len(frozen))
+        self.frozen_untouched.append(all(np.array_equal(self.before[i][0], after[i][0])
+                                         and np.array_equal(self.before[i][1], after[i][1]) for i in frozen))
+        self.trained_moved.append(all(not np.array_equal(self.before[i][0], after[i][0])
+                                      and not np.array_equal(self.before[i][1], after[i][1]) for i in in_group))
 
 
 def main():
@@ -58,6 +85,8 @@ def main():
            digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
            before=float(before), after=float(after), history=[float(v) for v in history.history["loss"]],
            iterations=int(model.optimizer.iterations.numpy()), collectives=distributed.allreduce_count(),
+           frozen_untouched=recorder.frozen_untouched, trained_moved=recorder.trained_moved,
+           frozen_counts=recorder.frozen_counts,
            finite=bool(all(np.isfinite(w).all() for w in trainable)))
 
 

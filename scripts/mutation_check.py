@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Mutation check: breaks each feature on purpose and shows which tests notice.
+
+Each break is a (file, exact source snippet, replacement) triple. For every break the
+script copies the repository (keras_boost/, tests/, scripts/, setup.py) into a temporary
+directory, replaces the snippet there (the working tree is never touched), runs the
+tests named for that break with pytest, and records which failed. A break that no test
+catches is a hole in the suite; a snippet that is no longer in the source (the code moved)
+is an error of this list, reported loudly, so the list stays true.
+
+Usage:
+    scripts/mutation_check.py              # every break, then a table; exit 1 unless all caught
+    scripts/mutation_check.py --list       # the breaks and their tests
+    scripts/mutation_check.py --only NAME  # one break (repeatable)
+    scripts/mutation_check.py --verify     # only check that every snippet is still found
+
+Too slow for every CI run (about 15 minutes on 2 cores); run it before resolving an issue,
+and add a break for every new feature. Results: docs/mutation_check.md.
+"""
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("keras_boost", "tests", "scripts", "setup.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    name: str
+    what: str  # the feature broken, in words
+    path: str  # file relative to the repository root
+    snippet: str  # exact source text, found exactly once
+    replacement: str
+    tests: tuple  # pytest node ids that must catch it (the fewest, fastest ones)
+    timeout: int = 600
+
+
+BREAKS = (
+    Break("no_averaging", "allreduce sums the gradients instead of averaging them",
+          "keras_boost/distributed/__init__.py",
+          "op = hvd.Average if average else hvd.Sum", "op = hvd.Sum",
+          ("tests/test_multiprocess.py::test_two_workers_equal_one_process_with_twice_the_batch[gloo]",)),
+    Break("broadcast_skipped", "no broadcast of rank 0's variables when fit starts",
+          "keras_boost/distributed/callbacks.py",
+          "            distributed.broadcast_variables(variables, self.root_rank)",
+          "            pass",
+          ("tests/test_freeze_multiprocess.py::test_freeze_training_agrees_across_workers[gloo]",)),
+    Break("no_overflow_skip", "a non-finite update is applied instead of skipped",
+          "keras_boost/step/loop.py",
+          "run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))",
+          "self._apply(grads, variables)",
+          ("tests/test_loss_scale.py::test_overflow_skips_the_whole_update_exactly",)),
+    Break("loss_scale_never_updated", "the dynamic loss scale never halves nor grows",
+          "keras_boost/stages/loss_scale.py",
+          "        self.scale.assign(scale)\n", "        self.scale.assign(self.scale.value)\n",
+          ("tests/test_loss_scale.py::test_scale_grows_after_window_and_respects_max",)),
+    Break("loss_not_scaled", "the loss is not multiplied by the loss scale (gradients still divided)",
+          "keras_boost/stages/loss_scale.py",
+          "        return loss * tf.cast(self.scale, loss.dtype)", "        return loss",
+          ("tests/test_loss_scale.py::test_scaled_step_equals_unscaled_step",)),
+    Break("nan_guard_off", "the NaN guard lets a non-finite update through",
+          "keras_boost/stages/nan_guard.py",
+          "        skip = tf.logical_not(finite)\n", "        skip = tf.logical_and(finite, tf.logical_not(finite))\n",
+          ("tests/test_model.py::test_nan_guard_stops_before_the_weights_are_touched",)),
+    Break("accumulation_never_reset", "the accumulation window keeps its sums after an update",
+          "keras_boost/stages/accumulation.py",
+          "            acc.assign(tf.zeros_like(acc.value))", "            acc.assign(acc.value)",
+          ("tests/test_accumulation.py::test_four_micro_batches_equal_one_batch_of_64",)),
+    Break("accumulation_sum_not_mean", "the accumulated gradient is the window's sum, not its mean",
+          "keras_boost/stages/accumulation.py",
+          "        inverse = 1.0 / tf.cast(self.micro_step.value, tf.float32)", "        inverse = 1.0",
+          ("tests/test_accumulation.py::test_four_micro_batches_equal_one_batch_of_64",)),
+    Break("freezing_off", "every freeze group trains all variables (the schedule is still logged)",
+          "keras_boost/stages/freeze.py",
+          "        return self.group_indices, self.current_group",
+          "        return [self.group_indices[0]] * len(self.group_indices), self.current_group",
+          ("tests/test_freeze_multiprocess.py::test_freeze_training_agrees_across_workers[gloo]",)),
+    Break("freeze_schedule_stuck", "the freeze sequence never advances",
+          "keras_boost/stages/freeze.py",
+          "        self.position.assign((self.position.value + 1) % self.plan.period)",
+          "        self.position.assign(self.position.value)",
+          ("tests/test_freeze_step.py::test_logged_groups_follow_the_strategy_and_wrap_around",)),
+    Break("centralization_off", "gradient centralization returns the gradients unchanged",
+          "keras_boost/stages/centralization.py",
+          "    def transform(self, grads, variables):\n        return self.apply(grads, variables)",
+          "    def transform(self, grads, variables):\n        return grads",
+          ("tests/test_centralization.py::test_the_boost_step_applies_centralized_gradients",)),
+    Break("adasum_float32", "AdaSum's dot products and norms accumulated in float32, not float64",
+          "keras_boost/stages/adasum_ops.py",
+          "    a64 = tf.cast(a, tf.float64)\n    b64 = tf.cast(b, tf.float64)",
+          "    a64 = tf.cast(a, tf.float32)\n    b64 = tf.cast(b, tf.float32)",
+          ("tests/test_adasum_math.py",)),
+    Break("adasum_is_average", "AdaSum's combine across groups is a plain average",
+          "keras_boost/stages/adasum.py",
+          "        combined = adasum_ops.combine(list(delta_weights), backend=self.combine_backend,\n"
+          "                                      process_set=self.outer_set)",
+          "        combined = distributed.grouped_allreduce(list(delta_weights), process_set=self.outer_set)",
+          ("tests/test_adasum_training.py::test_adasum_training[2-gloo-1-exact]",)),
+    Break("less_bn_keeps_every_bn", "LessBN removes no BatchNormalization",
+          "keras_boost/graph/less_bn.py",
+          "    removed_nodes = _plan_removals(graph)", "    removed_nodes = {}",
+          ("tests/test_less_bn.py::test_residual_cnn_keeps_the_last_branch_bn_and_the_stem",)),
+    Break("elastic_restore_skipped", "elastic state restore leaves the variables as they are",
+          "keras_boost/distributed/elastic.py",
+          "        for variable, value in zip(self.variables, self._values):\n            variable.assign(value)",
+          "        pass",
+          ("tests/test_elastic.py::test_state_restores_model_optimizer_and_boost_state",)),
+    Break("sens_ignored", "the step ignores `sens`",
+          "keras_boost/step/loop.py",
+          "            target = loss * self.sens if self.sens != 1.0 else loss", "            target = loss",
+          ("tests/test_model.py::test_sens_scales_the_gradient_like_the_seed",)),
+)
+
+
+def by_name():
+    return {b.name: b for b in BREAKS}
+
+
+def check_snippet(brk, root=ROOT):
+    """The source of `brk.path` under `root`; raises when the snippet is not there exactly once."""
+    path = root / brk.path
+    if not path.exists():
+        raise SystemExit(f"mutation {brk.name!r}: {brk.path} does not exist (the code moved); update BREAKS")
+    source = path.read_text()
+    count = source.count(brk.snippet)
+    if count != 1:
+        raise SystemExit(f"mutation {brk.name!r}: the snippet is found {count} times in {brk.path}, not once "
+                         f"(the code changed); update BREAKS:\n{brk.snippet}")
+    return source
+
+
+def copy_repository(target):
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(source, target / name)
+
+
+def failed_tests(output):
+    return sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.MULTILINE)))
+
+
+def first_error(output):
+    """The first `E   ...` line of pytest's report: what the failing assertion said."""
+    lines = [line.strip() for line in re.findall(r"^E[ \t]+(.*)$", output, flags=re.MULTILINE)]
+    lines = [line for line in lines if line and line not in ("AssertionError:", "AssertionError")]
+    return lines[0][:120] if lines else ""
+
+
+def run_break(brk, python):
+    """Applies `brk` to a copy of the repository and runs its tests there; returns a result dict."""
+    check_snippet(brk)
+    with tempfile.TemporaryDirectory(prefix=f"kb_mutation_{brk.name}_") as tmp:
+        tmp = Path(tmp)
+        copy_repository(tmp)
+        target = tmp / brk.path
+        target.write_text(check_snippet(brk, tmp).replace(brk.snippet, brk.replacement))
+        env = dict(os.environ, PYTHONPATH=str(tmp), TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+        command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={brk.timeout}",
+                   "-rfE", *brk.tests]
+        start = time.monotonic()
+        try:
+            completed = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True,
+                                       timeout=brk.timeout + 60, start_new_session=True)
+            output, code = completed.stdout + completed.stderr, completed.returncode
+        except subprocess.TimeoutExpired as expired:
+            output, code = (expired.stdout or "") if isinstance(expired.stdout, str) else "", "timeout"
+        elapsed = time.monotonic() - start
+    failures = failed_tests(output)
+    # exit code 1: tests failed (caught); 0: all passed (missed); anything else: a broken run
+    caught = code == 1 and bool(failures)
+    return {"name": brk.name, "caught": caught, "failed": failures, "code": code, "seconds": elapsed,
+            "error": first_error(output), "tail": output[-3000:]}
+
+
+def table(results):
+    lines = ["| break | caught | tests that failed | first error | seconds |", "|---|---|---|---|---|"]
+    for r in results:
+        failed = "<br>".join(f"`{t}`" for t in r["failed"]) or f"none (pytest exit {r['code']})"
+        error = r["error"].replace("|", "\\|").replace("`", "'")
+        lines.append(f"| `{r['name']}` | {'yes' if r['caught'] else '**NO**'} | {failed} | {error} "
+                     f"| {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="list the breaks and the tests that must catch them")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this break (repeatable)")
+    parser.add_argument("--verify", action="store_true", help="only check that every snippet is still in the source")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table to FILE (e.g. a copy for docs/)")
+    parser.add_argument("--python", default=sys.executable, help="the Python with TF, Keras, Horovod and pytest")
+    args = parser.parse_args(argv)
+
+    names = by_name()
+    if args.list:
+        for brk in BREAKS:
+            print(f"{brk.name}: {brk.what}\n    {brk.path}\n    tests: {' '.join(brk.tests)}")
+        return 0
+    for brk in BREAKS:  # every snippet must still be in the source, whatever runs
+        check_snippet(brk)
+    if args.verify:
+        print(f"all {len(BREAKS)} snippets found")
+        return 0
+    unknown = [n for n in args.only or () if n not in names]
+    if unknown:
+        parser.error(f"unknown break(s) {unknown}; --list shows them")
+    selected = [names[n] for n in args.only] if args.only else list(BREAKS)
+
+    results = []
+    for brk in selected:
+        print(f"[mutation] {brk.name}: {brk.what} ...", flush=True)
+        result = run_break(brk, args.python)
+        verdict = ("caught by " + ", ".join(result["failed"]) + f": {result['error']}" if result["caught"]
+                   else "NOT CAUGHT")
+        print(f"[mutation] {brk.name}: {verdict} ({result['seconds']:.0f} s)", flush=True)
+        if not result["caught"]:
+            print(result["tail"], flush=True)
+        results.append(result)
+    print()
+    print(table(results))
+    if args.markdown:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        command = " ".join(["scripts/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
+        Path(args.markdown).write_text(f"Command: `{command}`, {stamp}, {len(results)} breaks, "
+                                       f"{sum(r['seconds'] for r in results) / 60:.1f} minutes.\n\n"
+                                       + table(results) + "\n")
+    missed = [r["name"] for r in results if not r["caught"]]
+    if missed:
+        print(f"\nNOT CAUGHT: {', '.join(missed)}")
+        return 1
+    print(f"\nall {len(results)} breaks caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
