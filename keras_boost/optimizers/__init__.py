@@ -1,0 +1,5 @@
+"""Keras optimizers from keras_boost, usable with any `keras.Model`."""
+
+from keras_boost.optimizers.centralization import GradientCentralization
+
+__all__ = ["GradientCentralization"]
