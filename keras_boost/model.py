@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from keras_boost import _keras_compat, distributed
 from keras_boost._keras_compat import Functional, Trainer, functional_init_arguments
+from keras_boost._validation import alias
 from keras_boost.config import BoostConfig
 from keras_boost.optimizers import GradientCentralization as GCOptimizer
 from keras_boost.stages.freeze import FreezeOpt
@@ -43,7 +44,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         **kwargs: Keras' own compile arguments, and the options of stages registered
             with `keras_boost.step.registry.register`.
 
-    Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`):
+    Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`;
+    MindSpore's `boost_config_dict=` is accepted as an alias of `boost_config`):
         the level's LessBN rewrite is applied to the graph when the model is built, and
         its other stages are switched on by `compile` (explicit compile options win).
         See `keras_boost.AutoBoost`.
@@ -64,7 +66,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls)
 
-    def __init__(self, *args, boost_level=None, boost_config=None, **kwargs):
+    def __init__(self, *args, boost_level=None, boost_config=None, boost_config_dict=None, **kwargs):
+        boost_config = alias("boost_config", boost_config, "boost_config_dict", boost_config_dict)
         auto_boost = None
         if boost_level is not None or boost_config is not None:
             auto_boost = BoostConfig(boost_level or "O0", boost_config)

@@ -53,10 +53,14 @@ class OptimizerProcess:
             )
         self.optimizer = opt
         self.optimizer_class = type(opt)
-        self.config = opt.get_config()
         self.gc_variables = []
         self.gc_added = False
         self.min_channels_multiple = 16
+
+    @property
+    def config(self):
+        """The optimizer's `get_config()` (read only when a copy is needed)."""
+        return self.optimizer.get_config()
 
     @staticmethod
     def build_params_dict(model):

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import _keras_compat
-from keras_boost._validation import check_int, check_real
+from keras_boost._validation import check_int, check_real, check_steps
 from keras_boost.step.contract import Stage
 
 CONTINUOUS_STRATEGY = 0  # "0000…01234…": zeros, then every partial group in turn
@@ -220,7 +220,7 @@ def generate_freeze_index_sequence(
     groups = _check_int("parameter_groups_number", parameter_groups_number, 1)
     strategy = _check_strategy(freeze_strategy)
     freeze_p = _check_freeze_p(freeze_p)
-    length = int(_check_int("total_steps", total_steps, 1) * 1.01)
+    length = int(check_steps("total_steps", total_steps) * 1.01)
     seed = _check_seed(seed)
     if groups <= 1 or freeze_p == 1:
         return np.zeros(length, np.int32)
@@ -607,7 +607,8 @@ class GradientFreeze:
             Defaults to 1.
         freeze_p: float in (0, 1], the share of FULL (unfrozen) steps despite its name.
             Defaults to 0.7.
-        total_steps: int (>= 1), the planned number of training steps. Defaults to 65536.
+        total_steps: int (>= 1), the planned number of training steps (a float with an
+            integral value, MindSpore's `2000.0`, is accepted). Defaults to 65536.
         seed: int in [0, 2**32), the seed of the interval sampling; the same on every
             worker. Defaults to 0.
 
@@ -621,7 +622,7 @@ class GradientFreeze:
         self.param_groups = _check_int("param_groups", param_groups, 1)
         self.freeze_type = _check_strategy(freeze_type, "freeze_type")
         self.freeze_p = _check_freeze_p(freeze_p)
-        self.total_steps = _check_int("total_steps", total_steps, 1)
+        self.total_steps = check_steps("total_steps", total_steps)
         self.seed = _check_seed(seed)
 
     def split_parameters_groups(self, model, freeze_para_groups_number=None):
