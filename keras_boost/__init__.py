@@ -5,11 +5,12 @@ The public surface: `BoostModel`; the stages (`DynamicLossScale`, `FixedLossScal
 rewrite (`LessBN`, `FNHead`); MindSpore's names and flows (`AutoBoost`, `FreezeOpt`,
 `freeze_cell`, `OptimizerProcess`, `ParameterProcess`, `BoostTrainOneStep`,
 `BoostTrainOneStepWithLossScale`); and the modules `distributed`, `callbacks`, `elastic`,
-`step` (the stage contract and registry, for writing your own stage).
+`step` (the stage contract and registry, for writing your own stage), and `optimizers`
+(Keras optimizer wrappers: `optimizers.GradientCentralization`).
 """
 
 from keras_boost import _keras_compat  # noqa: F401 - checks the Keras version first
-from keras_boost import distributed, step
+from keras_boost import distributed, optimizers, step
 from keras_boost.compat.auto_boost import AutoBoost
 from keras_boost.compat.params import OptimizerProcess, ParameterProcess
 from keras_boost.distributed import callbacks, elastic
@@ -56,6 +57,7 @@ __all__ = [
     "elastic",
     "freeze_cell",
     "generate_freeze_index_sequence",
+    "optimizers",
     "split_parameters_groups",
     "step",
 ]
