@@ -219,6 +219,9 @@ class BoostTrainOneStep:
             raise TypeError("a boost step is called with the data of one step: step(x, y) or step((x, y))")
         data = inputs[0] if len(inputs) == 1 else tuple(inputs)
         if tf.inside_function():
+            if not self.built:
+                raise RuntimeError("call the boost step once outside tf.function (it builds the model, the "
+                                   "optimizer and its state there), or build it first with step.build(state)")
             return self._standalone(data)
         if self._compiled is None:
             self._prepare_standalone(data)
