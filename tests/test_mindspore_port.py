@@ -241,3 +241,25 @@ def test_mindspore_keyword_aliases():
     assert len(kb.generate_freeze_index_sequence(4, 1, 0.5, 100.0)) == 101
     with pytest.raises(TypeError, match="`total_steps` must be a positive int"):
         kb.GradientFreeze(10, 1, 0.5, 2000.5)
+
+
+def test_freeze_opt_and_gc_optimizer_survive_a_keras_file(tmp_path):
+    x, y = data(16)
+    model = classifier(depth=2)
+    freeze_opt = kb.FreezeOpt(keras.optimizers.SGD(0.1), kb.split_parameters_groups(model, 2), [0, 1, 1])
+    model.compile(optimizer=freeze_opt, loss=LOSS)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.save(tmp_path / "freeze.keras")
+    loaded = keras.models.load_model(tmp_path / "freeze.keras")
+    assert isinstance(loaded.optimizer, kb.FreezeOpt) and int(loaded.optimizer.position.numpy()) == 2
+    assert [[v.path for v in g] for g in loaded.optimizer.groups] == [
+        [v.path for v in g] for g in kb.split_parameters_groups(loaded, 2)]
+
+    kernel = model.trainable_variables[0]
+    model.compile(optimizer=kb.optimizers.GradientCentralization(keras.optimizers.SGD(0.1), variables=[kernel]),
+                  loss=LOSS)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.save(tmp_path / "gc.keras")
+    loaded = keras.models.load_model(tmp_path / "gc.keras")
+    assert [loaded.optimizer.applies_to(v) for v in loaded.trainable_variables] == [
+        v is kernel for v in model.trainable_variables]

@@ -65,8 +65,8 @@ class GradientCentralization(keras.optimizers.Optimizer):
 
     def applies_to(self, variable):
         """Whether the gradient of `variable` gets centred."""
-        if self._selected_paths is not None and id(variable) not in self._selected_ids and (
-                variable.path not in self._selected_paths):
+        if self._selected_paths is not None and id(variable) not in self._selected_ids and not _path_selected(
+                variable.path, self._selected_paths):
             return False
         shape = variable.shape
         return len(shape) >= 2 and shape[-2] % self.min_channels_multiple == 0
@@ -138,3 +138,8 @@ class GradientCentralization(keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _path_selected(path, selected):
+    """Whether `path` is one of `selected`, allowing for a model-name prefix added or dropped on load."""
+    return path in selected or any(path.endswith("/" + p) or p.endswith("/" + path) for p in selected)

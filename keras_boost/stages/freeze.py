@@ -431,12 +431,15 @@ class FreezeOpt(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------------- apply
     def build(self, var_list):
-        if self._freeze.paths is not None:
+        if self._freeze.paths is not None:  # saved groups: indices into the variables it is built on, or paths
+            var_list = list(var_list)
             by_path = {v.path: v for v in var_list}
-            missing = [p for group in self._freeze.paths for p in group if p not in by_path]
-            if missing:
-                raise ValueError(f"FreezeOpt: the saved groups name variables the model does not have: {missing[:3]}")
-            self._freeze.groups = [[by_path[p] for p in group] for group in self._freeze.paths]
+            wanted = [p for group in self._freeze.paths for p in group]
+            bad = [p for p in wanted if not (p in by_path or (isinstance(p, int) and 0 <= p < len(var_list)))]
+            if bad:
+                raise ValueError(f"FreezeOpt: the saved groups name variables the model does not have: {bad[:3]}")
+            self._freeze.groups = [[var_list[p] if isinstance(p, int) else by_path[p] for p in group]
+                                   for group in self._freeze.paths]
             self._freeze.paths = None
         self.inner_optimizer.build(var_list)
         super().build(var_list)
@@ -495,7 +498,9 @@ class FreezeOpt(keras.optimizers.Optimizer):
     def get_config(self):
         groups = self._freeze.paths
         if groups is None and self.groups is not None:
-            groups = [[v.path for v in group] for group in self.groups]
+            # Indices into the variables it was built on survive renaming on load; paths otherwise.
+            built = {id(v): i for i, v in enumerate(self._trainable_variables)} if self.built else {}
+            groups = [[built.get(id(v), v.path) for v in group] for group in self.groups]
         return {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "groups": groups, "strategy": None if self.strategy is None else [int(i) for i in self.strategy]}
 
