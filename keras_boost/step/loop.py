@@ -225,7 +225,9 @@ class BoostTrainOneStep:
             return self._standalone(data)
         if self._compiled is None:
             self._prepare_standalone(data)
-            self._compiled = tf.function(self._standalone)
+            # The loop has no tensor-dependent Python control flow (tf.cond and tf.switch_case are
+            # explicit), so AutoGraph need not convert it.
+            self._compiled = tf.function(self._standalone, autograph=False)
         return self._compiled(data)
 
     def _prepare_standalone(self, data):
