@@ -96,7 +96,7 @@ class AdaSum(Stage):
                              "every worker adaptively), or leave AdaSum to a boost level, which turns it off")
 
     def _mismatch(self, size):
-        return (f"AdaSum's `device_number` ({self.device_number}) must divide the number of workers ({size}): "
+        return (f"AdaSum's device_number ({self.device_number}) must divide the number of workers ({size}): "
                 f"AdaSum groups are blocks of device_number workers")
 
     # ------------------------------------------------------------- topology
