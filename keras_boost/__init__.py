@@ -65,6 +65,7 @@ __all__ = [
     "optimizers",
     "freeze_cell",
     "generate_freeze_index_sequence",
+    "optimizers",
     "split_parameters_groups",
     "step",
 ]

@@ -112,6 +112,17 @@ def learning_rate_schedule(optimizer):
     return schedule if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule) else None
 
 
+def optimizer_variables(optimizer):
+    """The variables a built optimizer updates, in the order it was built with; None if not built.
+
+    Since Keras 3.0 (`BaseOptimizer._trainable_variables`); MindSpore's optimizers expose
+    theirs as `optimizer.parameters`, which `GradientAccumulation(...)(loss, grads)` needs.
+    """
+    if not optimizer.built:
+        return None
+    return list(optimizer._trainable_variables)
+
+
 class BoostLogsMixin:
     """Lets a model keep non-metric scalars in its step logs (Keras 3.0+).
 

@@ -95,3 +95,21 @@ def check_split_points(points, name="gradient_split_groups"):
     if list(points) != sorted(set(points)):
         raise ValueError(f"`{name}` must be {allowed}, {_got(points)}.")
     return [int(p) for p in points]
+
+
+def alias(name, value, alias_name, alias_value, default=None):
+    """The value of an argument that MindSpore spells `alias_name`: given once, under either name."""
+    if alias_value is default:
+        return value
+    if value is not default:
+        raise TypeError(f"`{name}` and `{alias_name}` are the same argument (`{alias_name}` is MindSpore's "
+                        f"name); give one of them, got both: {value!r} and {alias_value!r}.")
+    return alias_value
+
+
+def check_steps(name, value, minimum=1):
+    """A positive step count: an int, or a float with an integral value (MindSpore's `2000.0`)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) and (
+            math.isfinite(value) and float(value).is_integer()):
+        value = int(value)
+    return check_int(name, value, minimum, allowed="a positive int (or a float with an integral value)")

@@ -18,17 +18,28 @@ Configuration (a dict, or the path of a JSON file), with MindSpore's sections an
      "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7,
                      "total_steps": 65536, "seed": 0},
      "grad_accumulation": {"grad_accumulation_step": 1},
-     "adasum": {"backend": "auto"}}
+     "adasum": {"backend": "auto"},
+     "dim_reduce": {"rho": 0.55, "gamma": 0.9, "alpha": 0.001, "sigma": 0.4, "n_components": 32,
+                    "pca_mat_path": None, "weight_load_dir": None, "timeout": 1800}}
 
-Feature switches in "boost" take effect in "manual" mode only; in other modes they raise
-`ValueError` (MindSpore ignores them). A section's values are validated always and used
+MindSpore's own documented configuration is accepted as it is: every section and key
+MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
+`loss_scale_group` switches) are accepted and kept, and raise `ValueError` only when the
+feature is switched on, since keras_boost does not provide it. Keys MindSpore does not
+read (the tutorial's `device_num`, `n_component`) still raise: nothing is silently ignored.
+
+Feature switches in "boost" take effect in "manual" mode only; in other modes they are
+ignored, as in MindSpore, with a warning naming each one that differs from what the level
+or mode decides. A section's values are validated always and used
 when its feature is on. MindSpore's `dim_reduce` and `loss_scale_group` are not provided
-by keras_boost: switching them on raises `ValueError`.
+by keras_boost: switching them on raises `ValueError`. `enable_all` switches on the
+features keras_boost provides (MindSpore's also switches on those two).
 """
 
 import copy
 import json
 import os
+import warnings
 
 from keras_boost._validation import check_bool
 
@@ -46,6 +57,10 @@ DEFAULTS = {
     "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7, "total_steps": 65536, "seed": 0},
     "grad_accumulation": {"grad_accumulation_step": 1},
     "adasum": {"backend": "auto"},
+    # MindSpore's DimReduce hyper-parameters: accepted (so MindSpore's documented config
+    # loads), never used; switching dim_reduce on raises ValueError.
+    "dim_reduce": {"rho": 0.55, "gamma": 0.9, "alpha": 0.001, "sigma": 0.4, "n_components": 32,
+                   "pca_mat_path": None, "weight_load_dir": None, "timeout": 1800},
 }
 SECTIONS = ("boost", *DEFAULTS)
 
@@ -86,6 +101,9 @@ class BoostConfig:
     Attributes:
         level, mode: as given (mode defaults to "auto").
         features: {feature: bool} for "less_bn", "grad_freeze", "adasum", "grad_accumulation".
+        explicit: the features switched on by name (manual mode, `"adasum": True`), as
+            opposed to by the level or mode; an explicit AdaSum whose `device_number`
+            does not fit the launch is an error, a level's one is turned off with a warning.
         params: every section with its defaults filled in.
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
@@ -122,16 +140,23 @@ class BoostConfig:
             raise ValueError(f"{enabled_unsupported} are MindSpore features that keras_boost does not provide; "
                              f"available features: {list(FEATURES)}")
         feature_switches = {k: v for k, v in switches.items() if k in FEATURES}
+        self.explicit = {k for k, v in feature_switches.items() if v} if self.mode == "manual" else set()
         if self.mode == "manual":
             return {**LEVELS[self.level], **feature_switches}
-        if feature_switches:
-            raise ValueError(f"feature switches {sorted(feature_switches)} in boost_config['boost'] take effect "
-                             f"only with mode 'manual'; the mode is {self.mode!r}")
         if self.mode == "enable_all":
-            return dict.fromkeys(FEATURES, True)
-        if self.mode == "disable_all":
-            return dict.fromkeys(FEATURES, False)
-        return dict(LEVELS[self.level])
+            features = dict.fromkeys(FEATURES, True)
+        elif self.mode == "disable_all":
+            features = dict.fromkeys(FEATURES, False)
+        else:
+            features = dict(LEVELS[self.level])
+        # MindSpore ignores the switches outside manual mode (its documented config lists
+        # them all, False, with mode "auto"); keras_boost too, but says so when one differs.
+        ignored = sorted(k for k, v in feature_switches.items() if v != features[k])
+        if ignored:
+            warnings.warn(f"feature switches {ignored} in boost_config['boost'] take effect only with mode "
+                          f"'manual'; the mode is {self.mode!r}, so level {self.level} decides: "
+                          f"{ {k: features[k] for k in ignored} }", UserWarning, stacklevel=4)
+        return features
 
     def enabled(self, feature):
         return self.features[feature]

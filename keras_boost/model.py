@@ -8,7 +8,10 @@ import tensorflow as tf
 
 from keras_boost import _keras_compat, distributed
 from keras_boost._keras_compat import Functional, Trainer, functional_init_arguments
+from keras_boost._validation import alias
 from keras_boost.config import BoostConfig
+from keras_boost.optimizers import GradientCentralization as GCOptimizer
+from keras_boost.stages.freeze import FreezeOpt
 from keras_boost.step import registry
 from keras_boost.step.loop import BoostTrainOneStep
 from keras_boost.step.state import BoostState
@@ -46,7 +49,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         **kwargs: Keras' own compile arguments, and the options of stages registered
             with `keras_boost.step.registry.register`.
 
-    Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`):
+    Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`;
+    MindSpore's `boost_config_dict=` is accepted as an alias of `boost_config`):
         the level's LessBN rewrite is applied to the graph when the model is built, and
         its other stages are switched on by `compile` (explicit compile options win).
         See `keras_boost.AutoBoost`.
@@ -67,7 +71,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls)
 
-    def __init__(self, *args, boost_level=None, boost_config=None, **kwargs):
+    def __init__(self, *args, boost_level=None, boost_config=None, boost_config_dict=None, **kwargs):
+        boost_config = alias("boost_config", boost_config, "boost_config_dict", boost_config_dict)
         auto_boost = None
         if boost_level is not None or boost_config is not None:
             auto_boost = BoostConfig(boost_level or "O0", boost_config)
@@ -100,11 +105,18 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
                  "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
                  "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
+        if isinstance(optimizer, FreezeOpt):  # its optimizer trains; its groups make the freeze stage
+            if given["gradient_freeze"] is not None and given["gradient_freeze"] is not optimizer:
+                raise ValueError("the optimizer is a FreezeOpt and `gradient_freeze` is given too: pass the freeze "
+                                 "groups once, either as the optimizer or as gradient_freeze")
+            given["gradient_freeze"], optimizer = optimizer, optimizer.optimizer
         for option in registry.options():  # options of stages registered by users
             if option in kwargs:
                 given[option] = kwargs.pop(option)
         if self.auto_boost is not None:  # the level's stages, unless given explicitly
             for name, value in registry.level_options(self.auto_boost).items():
+                if name == "gradient_centralization" and isinstance(optimizer, GCOptimizer):
+                    continue  # the optimizer centralises already (OptimizerProcess)
                 given[name] = value if given.get(name) is None else given[name]
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
@@ -155,7 +167,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             # the boost step needs the variables first.
             _keras_compat.symbolic_build(self, data)
         self.boost_step.build(self.boost_state)
-        return self.boost_step(data)
+        return self.boost_step.train_step(data)
 
     def make_train_function(self, force=False):
         from keras_boost.distributed.dropin import without_jit_for_collectives

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_boost import AdaSum, AutoBoost, DynamicLossScale, FixedLossScale, GradientAccumulation, GradientFreeze
-from keras_boost.config import DEFAULTS, FEATURES, MODES
+from keras_boost.config import DEFAULTS, FEATURES, LEVELS, MODES
 
 SWEEP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True, allow_infinity=True),
@@ -41,8 +41,9 @@ def test_autoboost_configuration_space(level, mode, switches, section, key, valu
     assert auto.level in ("O0", "O1", "O2") and auto.mode in MODES
     assert auto.params[section][key] == value  # accepted means used, not dropped
     json.dumps(auto.get_config())  # and it can be written back
-    if auto.mode != "manual":
-        assert not [k for k in switches if k in FEATURES]
+    if auto.mode != "manual":  # switches are ignored outside manual mode, as in MindSpore (with a warning)
+        expected = {"enable_all": dict.fromkeys(FEATURES, True), "disable_all": dict.fromkeys(FEATURES, False)}
+        assert auto.features == expected.get(auto.mode, LEVELS[auto.level])
 
 
 @SWEEP

@@ -1,12 +1,13 @@
 """OptimizerProcess and ParameterProcess: MindSpore's optimizer and parameter-group helpers.
 
 Keras 3 optimizers hold no parameter groups, so MindSpore's group dicts map onto
-plain objects: gradient centralization becomes a `GradientCentralization` stage over
-a set of variables, an optimizer is rebuilt from its class and config, and groups of
+plain objects: gradient centralization becomes an optimizer wrapper
+(`keras_boost.optimizers.GradientCentralization`) over a set of variables, and groups of
 parameters are lists of variables matched across models by `variable.path`.
 """
 
 import copy
+import warnings
 
 import keras
 
@@ -15,16 +16,24 @@ from keras_boost.stages.centralization import GradientCentralization, gc_variabl
 
 
 class OptimizerProcess:
-    """Records an optimizer so a fresh one, and a GC stage, can be made for a rewritten model.
+    """Makes the optimizer of a rewritten model, with gradient centralization when asked.
 
     MindSpore's `OptimizerProcess` rebuilds the optimizer with gradient-centralization
-    parameter groups. Here the optimizer's class and `get_config()` are recorded;
-    `add_grad_centralization` returns the GC stage for a model and
-    `generate_new_optimizer` returns a new, unbuilt optimizer of the same class and
-    config, to be built on the new model's variables.
+    parameter groups, and the optimizer centralises by itself. Here
+    `add_grad_centralization(model)` records the variables MindSpore would put in its GC
+    group, and `generate_new_optimizer()` returns the optimizer wrapped in
+    `keras_boost.optimizers.GradientCentralization` restricted to them (MindSpore's rule:
+    rank >= 2 and an input-channel count that is a multiple of 16), so it centralises on
+    any Keras model, `keras.Model.compile` included. Without `add_grad_centralization`
+    it returns the optimizer itself.
+
+    The user's optimizer object is kept (its learning-rate schedule, custom or not, its
+    `exclude_from_weight_decay`, everything): it is returned as it is while it is not
+    built. A Keras optimizer is bound to the variables it was built on, so a built one is
+    replaced by a copy made from its class and `get_config()`, with a warning.
 
     Args:
-        opt: a `keras.optimizers.Optimizer`; it is not modified.
+        opt: a `keras.optimizers.Optimizer`.
 
     Example:
 
@@ -34,7 +43,7 @@ class OptimizerProcess:
     >>> [v.path for v in process.gc_variables]
     ['net/fc/kernel']
     >>> type(process.generate_new_optimizer()).__name__
-    'SGD'
+    'GradientCentralization'
     """
 
     def __init__(self, opt):
@@ -42,9 +51,16 @@ class OptimizerProcess:
             raise TypeError(
                 f"`opt` must be a keras.optimizers.Optimizer, got {type(opt).__name__}."
             )
+        self.optimizer = opt
         self.optimizer_class = type(opt)
-        self.config = opt.get_config()
         self.gc_variables = []
+        self.gc_added = False
+        self.min_channels_multiple = 16
+
+    @property
+    def config(self):
+        """The optimizer's `get_config()` (read only when a copy is needed)."""
+        return self.optimizer.get_config()
 
     @staticmethod
     def build_params_dict(model):
@@ -103,11 +119,34 @@ class OptimizerProcess:
         """
         params_dict = self.build_params_dict(model)
         self.gc_variables, _ = self.build_gc_params_group(params_dict, model.trainable_variables)
+        self.gc_added = True
+        self.min_channels_multiple = min_channels_multiple
         return GradientCentralization(self.gc_variables, min_channels_multiple)
 
     def generate_new_optimizer(self):
-        """A new optimizer of the recorded class, built from the recorded config."""
-        return self.optimizer_class.from_config(copy.deepcopy(self.config))
+        """The optimizer to train the model with.
+
+        After `add_grad_centralization`: a `keras_boost.optimizers.GradientCentralization`
+        around the optimizer, centring the gradients of `gc_variables` only. Otherwise the
+        optimizer. The user's object while it is not built; a copy from its config once
+        it is (a built Keras optimizer cannot take new variables).
+        """
+        from keras_boost.optimizers import GradientCentralization as GCOptimizer
+
+        inner = self.optimizer
+        if inner.built:
+            warnings.warn(f"OptimizerProcess: the optimizer {inner.name!r} is already built on other variables; "
+                          "the new model gets a fresh copy made from its get_config() (state, and what the config "
+                          "does not hold, are not carried over)", UserWarning, stacklevel=2)
+            inner = self.optimizer_class.from_config(copy.deepcopy(self.config))
+            pattern = getattr(self.optimizer, "_exclude_from_weight_decay_pattern", None)
+            if pattern is not None:
+                inner._exclude_from_weight_decay_pattern = pattern
+        if not self.gc_added or not self.gc_variables:
+            return inner
+        wrapper = GCOptimizer(inner, rule="mindspore", variables=list(self.gc_variables))
+        wrapper.min_channels_multiple = self.min_channels_multiple
+        return wrapper
 
 
 class ParameterProcess:

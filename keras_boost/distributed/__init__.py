@@ -269,6 +269,25 @@ def local_size():
     return 1 if hvd is None else hvd.local_size()
 
 
+_SIZE_ENV = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def launch_size():
+    """The number of workers of this launch, without initialising Horovod (1 without a launcher).
+
+    Read from Horovod once it is initialised, else from the launcher's environment;
+    None when launched but the launcher sets none of the variables read.
+    """
+    if _state.initialized:
+        return size()
+    if not launched():
+        return 1
+    for name in _SIZE_ENV:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
 def is_distributed():
     return size() > 1
 

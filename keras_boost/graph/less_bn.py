@@ -394,6 +394,15 @@ def _removed_layers(graph, removed_nodes):
     return marked - unmarked
 
 
+def has_dense_head(model):
+    """Whether `LessBN(model, fn_flag=True)` finds a Dense layer producing an output to replace."""
+    try:
+        _head_denses(_Graph(_graph_view(model).outputs), model.name)
+    except ValueError:
+        return False
+    return True
+
+
 def _head_denses(graph, model_name):
     heads = []
     for i in graph.output_nodes:

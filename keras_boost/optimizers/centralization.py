@@ -25,6 +25,10 @@ class GradientCentralization(keras.optimizers.Optimizer):
             "mindspore": MindSpore's rule, gradients of rank 2 or more whose input-channel
             size (`shape[-2]`, Keras' `(..., in, out)` layout) is a multiple of 16.
         name: the optimizer's name.
+        variables: None (default: every gradient the rule selects), or a list or tuple of
+            Keras variables (or their `path`s): only their gradients are centred, still
+            subject to `rule`. `OptimizerProcess` passes the variables MindSpore would
+            put in its `grad_centralization` group.
 
     The learning rate, iterations and slots are the inner optimizer's. The wrapper has
     no state of its own; saving and `.keras` files round-trip it.
@@ -35,7 +39,7 @@ class GradientCentralization(keras.optimizers.Optimizer):
         >>> model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     """
 
-    def __init__(self, inner_optimizer, rule="all", name=None, **kwargs):
+    def __init__(self, inner_optimizer, rule="all", name=None, variables=None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"inner_optimizer must be a keras.optimizers.Optimizer, got {inner_optimizer!r} of "
                             f"type {type(inner_optimizer).__name__}")
@@ -45,13 +49,25 @@ class GradientCentralization(keras.optimizers.Optimizer):
         if unknown:
             raise ValueError(f"GradientCentralization takes no optimizer arguments of its own, got "
                              f"{sorted(unknown)}; set them on the inner optimizer")
+        if variables is not None and (not isinstance(variables, (list, tuple)) or not (
+                all(isinstance(v, keras.Variable) for v in variables) or all(isinstance(v, str) for v in variables))):
+            raise TypeError(f"variables must be None or a list or tuple of keras.Variable (or of variable paths), "
+                            f"got {variables!r} of type {type(variables).__name__}")
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.rule = rule
         self.min_channels_multiple = 16 if rule == "mindspore" else 1
+        if variables is None:
+            self._selected_ids = self._selected_paths = None
+        else:
+            self._selected_ids = {id(v) for v in variables if not isinstance(v, str)}
+            self._selected_paths = {v if isinstance(v, str) else v.path for v in variables}
 
     def applies_to(self, variable):
         """Whether the gradient of `variable` gets centred."""
+        if self._selected_paths is not None and id(variable) not in self._selected_ids and not _path_selected(
+                variable.path, self._selected_paths):
+            return False
         shape = variable.shape
         return len(shape) >= 2 and shape[-2] % self.min_channels_multiple == 0
 
@@ -111,11 +127,19 @@ class GradientCentralization(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
-        return {"name": self.name, "rule": self.rule,
-                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
+        config = {"name": self.name, "rule": self.rule,
+                  "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
+        if self._selected_paths is not None:
+            config["variables"] = sorted(self._selected_paths)
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _path_selected(path, selected):
+    """Whether `path` is one of `selected`, allowing for a model-name prefix added or dropped on load."""
+    return path in selected or any(path.endswith("/" + p) or p.endswith("/" + path) for p in selected)

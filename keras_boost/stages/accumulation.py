@@ -14,6 +14,7 @@ MindSpore, since they are updated by the forward pass.
 import keras
 import tensorflow as tf
 
+from keras_boost import _keras_compat
 from keras_boost._validation import check_int
 from keras_boost.step.contract import Stage, Window
 
@@ -28,12 +29,22 @@ class GradientAccumulation(Stage):
     Args:
         max_accumulation_step: micro-batches per update, a positive integer (1 turns
             accumulation off).
-        optimizer: the Keras optimizer the accumulated gradient is applied with, or None
-            when the stage is given to a BoostModel (which uses its compiled optimizer).
+        optimizer: the Keras optimizer the accumulated gradient is applied with. None when
+            the stage is given to a boost step, which uses its own optimizer; when given
+            there it must be that optimizer (checked when the step is built). Needed for
+            the callable form.
+
+    Called, as MindSpore's cell `construct(loss, grads)`: `accumulation(loss, grads)` adds
+    `grads` (one per variable the optimizer was built on, in that order, or per
+    `variables=` given to the call), and every `max_accumulation_step` calls applies their
+    mean with `optimizer` and starts a new window; it returns `loss`. It works eagerly and
+    inside `tf.function`; the state (accumulators, counter) is created on the first call.
 
     Example:
         >>> model.compile(optimizer="sgd", loss="mse",
         ...               gradient_accumulation=keras_boost.GradientAccumulation(4))
+        >>> accumulation = keras_boost.GradientAccumulation(4, optimizer)  # MindSpore's form
+        >>> loss = accumulation(loss, tape.gradient(loss, model.trainable_variables))
     """
 
     option = "gradient_accumulation"
@@ -58,6 +69,14 @@ class GradientAccumulation(Stage):
     def build(self, context):
         """Creates the accumulators (one per trainable variable) and the micro-step counter."""
         state, variables = context.state, context.variables
+        step_optimizer = getattr(context, "optimizer", None)
+        if self.optimizer is not None and step_optimizer is not None and step_optimizer is not self.optimizer:
+            # The step applies the window with its own optimizer; another one here would be ignored.
+            raise ValueError(
+                "The optimizer of `gradient_accumulation` (a GradientAccumulation) must be the optimizer the step "
+                f"trains with: got {type(self.optimizer).__name__} {self.optimizer.name!r}, but the step uses "
+                f"{type(step_optimizer).__name__} {step_optimizer.name!r}. Pass the same instance, or none.")
+        self.variables = list(variables)
         self.micro_step = state.add_state("accumulation/micro_step", 0, "int64")
         self.accumulators = [
             state.add_state(f"accumulation/{index}", 0.0, "float32", shape=tuple(v.shape))
@@ -87,5 +106,47 @@ class GradientAccumulation(Stage):
             acc.assign(tf.zeros_like(acc.value))
         self.micro_step.assign(0)
 
+    def __call__(self, loss, grads, variables=None):
+        """MindSpore's `construct(loss, grads)`: accumulate, apply the mean at the boundary; returns `loss`."""
+        if self.optimizer is None:
+            raise ValueError("GradientAccumulation called as a cell needs its optimizer: "
+                             "GradientAccumulation(max_accumulation_step, optimizer)")
+        if self.micro_step is None:
+            if variables is None:
+                variables = _keras_compat.optimizer_variables(self.optimizer)
+            if variables is None:
+                raise ValueError("GradientAccumulation called as a cell needs the variables the gradients belong "
+                                 "to: build the optimizer first (optimizer.build(model.trainable_variables)) or "
+                                 "pass variables=")
+            from keras_boost.step.state import BoostState
+
+            with tf.init_scope():
+                if not self.optimizer.built:
+                    self.optimizer.build(list(variables))
+                self.state = BoostState(name="gradient_accumulation_state")
+                self.build(_CallContext(list(variables), self.state))
+        grads = list(grads)
+        if len(grads) != len(self.variables):
+            raise ValueError(f"`grads` must hold one gradient per variable ({len(self.variables)}), got {len(grads)}")
+        indices = [i for i, g in enumerate(grads) if g is not None]
+        boundary = self.accumulate([grads[i] for i in indices], indices)
+
+        def apply():
+            self.optimizer.apply(self.mean(indices), [self.variables[i] for i in indices])
+            self.reset(indices)
+            return tf.constant(True)
+
+        tf.cond(boundary, apply, lambda: tf.constant(False))
+        return loss
+
     def get_config(self):
         return {"max_accumulation_step": self.max_accumulation_step}
+
+
+class _CallContext:
+    """The part of a StepContext the stage reads, for the callable form."""
+
+    def __init__(self, variables, state):
+        self.variables = variables
+        self.state = state
+        self.optimizer = None

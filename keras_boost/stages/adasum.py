@@ -25,7 +25,9 @@ import logging
 import tensorflow as tf
 
 from keras_boost import distributed
-from keras_boost._validation import check_choice, check_optional_int
+import warnings
+
+from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
 from keras_boost.step.contract import Stage
 
@@ -50,6 +52,15 @@ class AdaSum(Stage):
             trained variables itself.
         backend: "auto" (native Horovod Adasum where it can run, exact fallback
             elsewhere), "native" or "exact".
+        strict: what a `device_number` that does not divide the number of workers does.
+            True (default, AdaSum asked for by name): a `ValueError`, at `compile` when
+            the launcher's environment tells the size, else when the step is built.
+            False (what boost levels use, as MindSpore does): AdaSum is turned off, with
+            one warning, and gradients are averaged over every worker.
+
+    Called directly, as MindSpore's cell (`AdaSum(rank, device_number, group_number,
+    parameter_tuple)(delta_weights, parameters, old_parameters)`), it builds itself on the
+    first call from `parameter_tuple` (or `parameters`).
 
     Example:
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
@@ -59,7 +70,9 @@ class AdaSum(Stage):
     option = "adasum"
     needs_finite = False
 
-    def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto"):
+    def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto",
+                 strict=True):
+        self.strict = check_bool("strict", strict)
         self.rank = check_optional_int("rank", rank, 0)
         self.device_number = check_optional_int("device_number", device_number, 1)
         self.group_number = check_optional_int("group_number", group_number, 1)
@@ -70,18 +83,40 @@ class AdaSum(Stage):
     @classmethod
     def from_option(cls, value, model):
         """None/False, True, or an `AdaSum` stage."""
-        if value is True:
-            return cls()
-        return super().from_option(value, model)
+        stage = cls() if value is True else super().from_option(value, model)
+        if stage is not None:
+            stage.check_launch()
+        return stage
+
+    def check_launch(self):
+        """At compile: a strict AdaSum whose device_number cannot fit this launch is a ValueError.
+
+        Reads the launch size from the launcher's environment (Horovod is not initialised).
+        """
+        size = distributed.launch_size()
+        if self.strict and self.device_number is not None and size is not None and size % self.device_number:
+            raise ValueError(self._mismatch(size) + "; pass a device_number that divides it (1 combines "
+                             "every worker adaptively), or leave AdaSum to a boost level, which turns it off")
+
+    def _mismatch(self, size):
+        return (f"AdaSum's device_number ({self.device_number}) must divide the number of workers ({size}): "
+                f"AdaSum groups are blocks of device_number workers")
 
     # ------------------------------------------------------------- topology
     def _resolve_topology(self):
         size, rank = distributed.size(), distributed.rank()
         device_number = self.device_number or distributed.local_size()
         if size % device_number:
-            raise ValueError(f"device_number ({device_number}) must divide the number of workers ({size})")
+            if self.strict:
+                raise ValueError(f"device_number ({device_number}) must divide the number of workers ({size})")
+            # MindSpore leaves AdaSum off when the launch does not fit its groups.
+            warnings.warn(f"AdaSum is off: device_number ({device_number}) does not divide the number of workers "
+                          f"({size}); gradients are averaged over every worker, as MindSpore does", UserWarning,
+                          stacklevel=2)
+            device_number = size
         groups = size // device_number
-        if self.group_number is not None and self.group_number != groups:
+        if self.group_number is not None and self.group_number != groups and device_number == (
+                self.device_number or device_number):
             raise ValueError(f"group_number ({self.group_number}) must equal workers / device_number = {groups}")
         if self.rank is not None and self.rank != rank:
             raise ValueError(f"rank ({self.rank}) is not this worker's rank ({rank})")
@@ -160,7 +195,18 @@ class AdaSum(Stage):
         )
 
     def __call__(self, delta_weights, parameters, old_parameters):
-        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
+        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them.
+
+        Builds itself on the first call (topology and process sets, as in `build`).
+        """
+        if not self.built:
+            with tf.init_scope():
+                self.build(_CallContext(tuple(self.parameter_tuple or parameters)))
+        if self.groups == 1:
+            # One group: the deltas are already identical on every worker (averaged gradients).
+            for variable, old, delta in zip(parameters, old_parameters, delta_weights):
+                variable.assign(old - delta)
+            return parameters
         combined = adasum_ops.combine(list(delta_weights), backend=self.combine_backend,
                                       process_set=self.outer_set)
         for variable, old, delta in zip(parameters, old_parameters, combined):
@@ -168,4 +214,12 @@ class AdaSum(Stage):
         return parameters
 
     def get_config(self):
-        return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend}
+        return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend,
+                "strict": self.strict}
+
+
+class _CallContext:
+    """The part of a StepContext AdaSum reads, for a direct call."""
+
+    def __init__(self, variables):
+        self.variables = variables

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import _keras_compat
-from keras_boost._validation import check_int, check_real
+from keras_boost._validation import check_int, check_real, check_steps
 from keras_boost.step.contract import Stage
 
 CONTINUOUS_STRATEGY = 0  # "0000…01234…": zeros, then every partial group in turn
@@ -220,7 +220,7 @@ def generate_freeze_index_sequence(
     groups = _check_int("parameter_groups_number", parameter_groups_number, 1)
     strategy = _check_strategy(freeze_strategy)
     freeze_p = _check_freeze_p(freeze_p)
-    length = int(_check_int("total_steps", total_steps, 1) * 1.01)
+    length = int(check_steps("total_steps", total_steps) * 1.01)
     seed = _check_seed(seed)
     if groups <= 1 or freeze_p == 1:
         return np.zeros(length, np.int32)
@@ -313,26 +313,51 @@ def _check_groups(groups):
     return [list(group) for group in groups]
 
 
-class FreezeOpt:
-    """Holds the optimizer, the freeze groups and the group sequence of freeze training.
+class _Groups:
+    """The groups and strategy of a FreezeOpt, kept out of Keras' variable tracking.
+
+    (A list of model variables set on a Keras optimizer would be tracked as optimizer
+    variables, and saved and counted as such.)
+    """
+
+    def __init__(self, groups, strategy, paths=None):
+        self.groups = groups
+        self.strategy = strategy
+        self.paths = paths  # groups by variable path, from a saved config, resolved at build
+
+
+@keras.saving.register_keras_serializable(package="keras_boost")
+class FreezeOpt(keras.optimizers.Optimizer):
+    """An optimizer that trains one freeze group per step: MindSpore's `FreezeOpt`.
+
+    A Keras optimizer wrapper (like `keras.optimizers.LossScaleOptimizer`): it is accepted
+    wherever an optimizer is.
+
+    - `BoostModel.compile(optimizer=FreezeOpt(...))`, `BoostTrainOneStep(model, FreezeOpt(...))`
+      and `compile(gradient_freeze=FreezeOpt(...))`: the boost step unwraps it into its
+      freeze stage, which computes the gradients of the step's group only (no backward
+      pass through the frozen prefix).
+    - `keras.Model.compile(optimizer=FreezeOpt(...))` (any Keras model): `apply` applies
+      the gradients of the step's group only and advances the sequence, so the schedule
+      is the same; the backward pass of the frozen prefix is computed and dropped.
 
     MindSpore's `FreezeOpt` builds one sub-optimizer per group, each with its own momentum
     buffers and step counter. keras_boost keeps the single Keras optimizer given here, so
     every variable has one optimizer state and the learning-rate schedule counts global
-    steps whichever group a step trains. This is a container, not an optimizer.
+    steps whichever group a step trains.
 
     Args:
         opt: the `keras.optimizers.Optimizer` that applies every update.
         train_parameter_groups: list or tuple of lists/tuples of Keras variables, one per
-            group. Defaults to `None`: a single group of all trainable variables, resolved
-            by `freeze_cell`.
+            group. Defaults to `None`: a single group of all trainable variables.
         train_strategy: the group index per step: a list or tuple of ints, or a 1-D
             integer NumPy array or tensor, each in `[0, len(train_parameter_groups))`.
             Defaults to `None`: round-robin over the groups. Needs
             `train_parameter_groups`.
+        name: the optimizer's name.
 
     Attributes:
-        optimizer: the wrapped Keras optimizer.
+        optimizer: the wrapped Keras optimizer (also `inner_optimizer`).
         groups: a list of variable lists, or `None`.
         strategy: a 1-D `np.int32` array, or `None` (round-robin).
 
@@ -341,28 +366,151 @@ class FreezeOpt:
     >>> groups = split_parameters_groups(model, 4)
     >>> sequence = generate_freeze_index_sequence(4, 1, 0.7, 1000)
     >>> freeze_opt = FreezeOpt(keras.optimizers.SGD(0.1), groups, sequence)
+    >>> model.compile(optimizer=freeze_opt, loss="mse")
     """
 
-    def __init__(self, opt, train_parameter_groups=None, train_strategy=None):
+    def __init__(self, opt, train_parameter_groups=None, train_strategy=None, name=None, **kwargs):
         if not isinstance(opt, keras.optimizers.Optimizer):
             raise TypeError(
                 f"`opt` must be a keras.optimizers.Optimizer instance, got {type(opt).__name__}."
             )
+        if isinstance(opt, FreezeOpt):
+            raise TypeError("`opt` must not be a FreezeOpt itself: pass the optimizer it wraps.")
         if train_strategy is not None and train_parameter_groups is None:
             raise ValueError(
                 "`train_strategy` was given without `train_parameter_groups`: pass the groups "
                 "it indexes."
             )
-        self.optimizer = opt
-        groups = train_parameter_groups
-        self.groups = None if groups is None else _check_groups(groups)
-        self.strategy = None
+        paths = kwargs.pop("_group_paths", None)
+        unknown = {k: v for k, v in kwargs.items() if k != "learning_rate"}
+        if unknown:
+            raise ValueError(f"FreezeOpt takes no optimizer arguments of its own, got {sorted(unknown)}; set them "
+                             "on the optimizer it wraps")
+        groups = None
+        if paths is None and train_parameter_groups is not None:
+            groups = _check_groups(train_parameter_groups)
+        strategy = None
         if train_strategy is not None:
             strategy = _strategy_array(train_strategy, "train_strategy")
             if not len(strategy):
                 raise ValueError("`train_strategy` must hold at least one group index, got none.")
-            _check_indices(strategy, len(self.groups), "train_strategy")
-            self.strategy = strategy
+            _check_indices(strategy, len(paths if paths is not None else groups), "train_strategy")
+        super().__init__(learning_rate=0.0, name=name or "freeze_opt")
+        self.inner_optimizer = opt
+        self._freeze = _Groups(groups, strategy, paths)
+        self._selected = None
+
+    # ------------------------------------------------------------ attributes
+    @property
+    def optimizer(self):
+        return self.inner_optimizer
+
+    @property
+    def groups(self):
+        return self._freeze.groups
+
+    @property
+    def strategy(self):
+        return self._freeze.strategy
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    # -------------------------------------------------------------- apply
+    def build(self, var_list):
+        if self._freeze.paths is not None:  # saved groups: indices into the variables it is built on, or paths
+            var_list = list(var_list)
+            by_path = {v.path: v for v in var_list}
+            wanted = [p for group in self._freeze.paths for p in group]
+            bad = [p for p in wanted if not (p in by_path or (isinstance(p, int) and 0 <= p < len(var_list)))]
+            if bad:
+                raise ValueError(f"FreezeOpt: the saved groups name variables the model does not have: {bad[:3]}")
+            self._freeze.groups = [[var_list[p] if isinstance(p, int) else by_path[p] for p in group]
+                                   for group in self._freeze.paths]
+            self._freeze.paths = None
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        self.position = self.add_variable((), initializer="zeros", dtype="int64", name="freeze_position")
+
+    def _schedule(self):
+        if self.strategy is not None:
+            return self.strategy
+        return np.arange(len(self.groups), dtype=np.int32)
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies the gradients of the current group's variables only, then advances the sequence."""
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if self.groups is None or len(self.groups) == 1:
+            allowed = None if self.groups is None else {id(v) for v in self.groups[0]}
+            chosen = [(g, v) for g, v in pairs if allowed is None or id(v) in allowed]
+            self.inner_optimizer.apply([g for g, _ in chosen], [v for _, v in chosen])
+            return
+        schedule = self._schedule()
+        group = tf.gather(tf.constant(schedule, tf.int32), self.position.value)
+
+        def branch(members):
+            allowed = {id(v) for v in members}
+            chosen = [(g, v) for g, v in pairs if id(v) in allowed]
+
+            def run():
+                if chosen:
+                    self.inner_optimizer.apply([tf.identity(g) for g, _ in chosen], [v for _, v in chosen])
+                return tf.constant(0)
+
+            return run
+
+        branches = [branch(members) for members in self.groups]
+        if tf.inside_function():
+            tf.switch_case(group, branches)
+        else:
+            branches[int(group)]()
+        self.position.assign((self.position.value + 1) % len(schedule))
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("FreezeOpt runs with the TensorFlow backend's stateful apply only")
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # ------------------------------------------------------------- config
+    def get_config(self):
+        groups = self._freeze.paths
+        if groups is None and self.groups is not None:
+            # Indices into the variables it was built on survive renaming on load; paths otherwise.
+            built = {id(v): i for i, v in enumerate(self._trainable_variables)} if self.built else {}
+            groups = [[built.get(id(v), v.path) for v in group] for group in self.groups]
+        return {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "groups": groups, "strategy": None if self.strategy is None else [int(i) for i in self.strategy]}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        groups = config.pop("groups", None)
+        strategy = config.pop("strategy", None)
+        return cls(inner, groups, strategy, _group_paths=groups, **config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,7 +612,8 @@ class GradientFreeze:
             Defaults to 1.
         freeze_p: float in (0, 1], the share of FULL (unfrozen) steps despite its name.
             Defaults to 0.7.
-        total_steps: int (>= 1), the planned number of training steps. Defaults to 65536.
+        total_steps: int (>= 1), the planned number of training steps (a float with an
+            integral value, MindSpore's `2000.0`, is accepted). Defaults to 65536.
         seed: int in [0, 2**32), the seed of the interval sampling; the same on every
             worker. Defaults to 0.
 
@@ -478,7 +627,7 @@ class GradientFreeze:
         self.param_groups = _check_int("param_groups", param_groups, 1)
         self.freeze_type = _check_strategy(freeze_type, "freeze_type")
         self.freeze_p = _check_freeze_p(freeze_p)
-        self.total_steps = _check_int("total_steps", total_steps, 1)
+        self.total_steps = check_steps("total_steps", total_steps)
         self.seed = _check_seed(seed)
 
     def split_parameters_groups(self, model, freeze_para_groups_number=None):

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost._validation import check_bool, check_int, check_real
+from keras_boost._validation import alias, check_bool, check_int, check_real
 from keras_boost.step.contract import Stage
 
 DEFAULT_INIT_SCALE = 2.0**15
@@ -107,14 +107,19 @@ class DynamicLossScale(LossScale):
         max_scale: ceiling of the scale, or None for none. Default None.
         hysteresis: consecutive overflows needed before the scale drops, integer >= 1.
             Default 1.
+        loss_scale_value: MindSpore's name of `init_scale` (`DynamicLossScaleUpdateCell`),
+            accepted as an alias.
 
     Example:
         >>> scale = keras_boost.DynamicLossScale(init_scale=2**12, scale_window=500)
     """
 
     def __init__(self, init_scale=DEFAULT_INIT_SCALE, scale_factor=2, scale_window=2000,
-                 min_scale=1, max_scale=None, hysteresis=1):
+                 min_scale=1, max_scale=None, hysteresis=1, *, loss_scale_value=None):
         super().__init__()
+        if loss_scale_value is not None:  # MindSpore's DynamicLossScaleUpdateCell keyword
+            init_scale = alias("init_scale", None if init_scale == DEFAULT_INIT_SCALE else init_scale,
+                               "loss_scale_value", loss_scale_value)
         self.init_scale = check_real("init_scale", init_scale, low=0, low_inclusive=False)
         self.scale_factor = check_real("scale_factor", scale_factor, low=1, low_inclusive=False)
         self.scale_window = check_int("scale_window", scale_window, 1)

@@ -78,18 +78,47 @@ class BoostTrainOneStep:
         gradient_split_groups: increasing variable indices at which a new fused
             allreduce starts, or None for one fused allreduce of all gradients.
         stages: more `Stage` objects to run (after the registry's), e.g. your own.
+        loss_fn: the loss of a standalone step, `loss_fn(y, y_pred[, sample_weight])`
+            (MindSpore's `WithLossCell(network, loss_fn)`); default: the loss the model
+            was compiled with. Regularization losses of the model are added.
         **options: options of stages registered with `registry.register`.
 
+    A `FreezeOpt` optimizer is unwrapped: its optimizer applies the updates and its groups
+    and sequence become the freeze stage (as `gradient_freeze=FreezeOpt(...)`).
+
+    Used standalone, as MindSpore's cell, `step(x, y)` (or `step(x, y, sample_weight)`,
+    or `step((x, y))`) runs one training step and returns the loss: on the first call it
+    builds the model, the optimizer and the stages, broadcasts the variables from rank 0
+    under a launcher and compiles the step with `tf.function`; gradients are averaged
+    across workers exactly as in `BoostModel.fit` (it is the same loop).
+
     Example:
-        >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1))
-        >>> logs = step(batch)  # inside a compiled train_step
+        >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1, momentum=0.9),
+        ...                                      loss_fn=keras.losses.MeanSquaredError())
+        >>> loss = step(x, y)
     """
 
-    def __init__(self, model, optimizer, sens=1.0, *, gradient_split_groups=None, stages=(), **options):
+    def __init__(self, model, optimizer, sens=1.0, *, gradient_split_groups=None, stages=(), loss_fn=None,
+                 **options):
+        from keras_boost.stages.freeze import FreezeOpt
+
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model, got {model!r} ({type(model).__name__}).")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
+            raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer (a FreezeOpt included), got "
+                            f"{type(optimizer).__name__}.")
+        if isinstance(optimizer, FreezeOpt):
+            given = options.get("gradient_freeze")
+            if given is not None and given is not optimizer:
+                raise ValueError("the optimizer is a FreezeOpt and `gradient_freeze` is given too: pass the freeze "
+                                 "groups once, either as the optimizer or as gradient_freeze")
+            options["gradient_freeze"] = optimizer
+            optimizer = optimizer.optimizer
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"`loss_fn` must be None or a callable loss(y_true, y_pred), got {loss_fn!r} "
+                            f"({type(loss_fn).__name__}).")
+        self.loss_fn = loss_fn
+        self._compiled = None
         options.setdefault("nan_guard", True)
         if options["nan_guard"] is not None:
             _validation.check_bool("nan_guard", options["nan_guard"])
@@ -161,22 +190,163 @@ class BoostTrainOneStep:
         self.built = True
 
     # ---------------------------------------------------------------- step
-    def __call__(self, data):
+    def train_step(self, data):
+        """One step inside a compiled `train_step` (what `BoostModel.train_step` runs); returns the logs."""
         with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
-            return self._call(data)
+            return self._train_step(data)
 
-    def _call(self, data):
+    def _train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if len(self._groups) == 1:
-            loss, y_pred = self._branch(self._groups[0], x, y, sample_weight)
-        else:
-            branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
-            loss, y_pred = tf.switch_case(self._selector(), branches)
+        loss, y_pred = self._run(x, y, sample_weight)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         _keras_compat.update_loss_tracker(self.model, loss, batch_size)
         logs = dict(self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
         logs.update(self.logs())
         return logs
+
+    def _run(self, x, y, sample_weight):
+        """The step through the branch of this step's freeze group; returns (loss, y_pred)."""
+        if len(self._groups) == 1:
+            return self._branch(self._groups[0], x, y, sample_weight)
+        branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
+        return tf.switch_case(self._selector(), branches)
+
+    # ------------------------------------------------------- standalone cell
+    def __call__(self, *inputs):
+        """MindSpore's `cell(*inputs)`: one training step; returns the loss.
+
+        `step(x, y)`, `step(x, y, sample_weight)` or `step((x, y))`. Builds itself on the
+        first call and runs a compiled (`tf.function`) step; inside your own
+        `tf.function` it runs inline.
+        """
+        if not inputs:
+            raise TypeError("a boost step is called with the data of one step: step(x, y) or step((x, y))")
+        data = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        if tf.inside_function():
+            if not self.built:
+                raise RuntimeError("call the boost step once outside tf.function (it builds the model, the "
+                                   "optimizer and its state there), or build it first with step.build(state)")
+            return self._standalone(data)
+        if self._compiled is None:
+            self._prepare_standalone(data)
+            # The loop has no tensor-dependent Python control flow (tf.cond and tf.switch_case are
+            # explicit), so AutoGraph need not convert it.
+            self._compiled = tf.function(self._standalone, autograph=False)
+        return self._compiled(data)
+
+    def _prepare_standalone(self, data):
+        """Builds the model and the step, and makes the workers start from rank 0's variables."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.model.built or not self.model.trainable_variables:
+            self.model(x, training=False)
+        compiled_loss = getattr(self.model, "_compile_loss", None) is not None
+        custom_loss = type(self.model).compute_loss is not keras.Model.compute_loss
+        if self.loss_fn is None and not compiled_loss and not custom_loss:
+            raise TypeError("a standalone boost step needs a loss: pass loss_fn=... (MindSpore's WithLossCell) or "
+                            "compile the model with a loss")
+        if not self.built:
+            from keras_boost.step.state import BoostState
+
+            state = getattr(self.model, "boost_state", None)
+            if state is None:
+                state = self.state = BoostState()
+            self.build(state)
+        if distributed.size() > 1:
+            from keras_boost.step.state import state_variables
+
+            variables = state_variables(self.model) + list(self.optimizer.variables)
+            own_state = getattr(self, "state", None)  # a BoostModel's own state is in state_variables
+            if own_state is not None:
+                variables += list(own_state.variables)
+            distributed.broadcast_variables(variables, 0)
+
+    def _standalone(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        scale = None
+        if self.loss_scale is not None:
+            scale = tf.identity(tf.reshape(tf.convert_to_tensor(self.loss_scale.scale), []))
+        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
+            loss, _ = self._run(x, y, sample_weight)
+        if scale is None:
+            return loss
+        overflow = tf.cast(self.loss_scale.last_overflow.value, tf.bool)
+        return loss, overflow, scale
+
+    # ------------------------------------------- MindSpore's cell methods
+    def check_adasum_enable(self, optimizer=None, reducer_flag=None):
+        """Whether this step combines updates by AdaSum (MindSpore's `check_adasum_enable`).
+
+        True when an AdaSum stage is on and, once built, there is more than one group.
+        `optimizer` (when given, it must be this step's) and `reducer_flag` (False: no
+        data parallelism, so no AdaSum) are MindSpore's arguments.
+        """
+        if optimizer is not None and optimizer is not self.optimizer and getattr(
+                optimizer, "optimizer", None) is not self.optimizer:
+            raise ValueError("`optimizer` must be this step's optimizer")
+        adasum = self.adasum
+        if adasum is None or reducer_flag is False:
+            return False
+        return not adasum.built or adasum.groups > 1
+
+    def _full_gradients(self, grads):
+        if len(grads) != len(self._variables):
+            raise ValueError(f"`grads` must hold one gradient per trainable variable ({len(self._variables)}), "
+                             f"got {len(grads)}")
+        pairs = [(g, i) for i, g in enumerate(grads) if g is not None]
+        return [g for g, _ in pairs], [i for _, i in pairs]
+
+    def gradient_accumulation_process(self, loss, grads):
+        """Adds `grads` to the accumulation window and updates at its boundary; returns `loss`.
+
+        MindSpore's `gradient_accumulation_process(loss, grads)`: `grads` are the (local)
+        gradients of every trainable variable, in order; at the boundary the mean gradient
+        goes through the rest of the step (allreduce, loss scale decision, GC, optimizer
+        or AdaSum). Without an accumulation stage it updates at once.
+        """
+        self._require_built()
+        grads, indices = self._full_gradients(grads)
+        windowing = self._with("window")
+        window = windowing[0].window(grads, indices) if windowing else None
+        if window is None:
+            self._update(grads, indices)
+        else:
+            def update_from_window():
+                self._update(window.grads(), indices)
+                window.close()
+
+            run_if(window.boundary, update_from_window)
+        return loss
+
+    def adasum_process(self, loss, grads):
+        """Applies `grads` through AdaSum (MindSpore's `adasum_process`); returns `loss`.
+
+        `grads` (one per trainable variable) are averaged inside this worker's AdaSum
+        group, the optimizer takes a local step, and the weight deltas are combined
+        across groups. Needs an AdaSum stage (`adasum=...`).
+        """
+        self._require_built()
+        if self.adasum is None:
+            raise ValueError("adasum_process needs an AdaSum stage: make the step with adasum=True or AdaSum(...)")
+        grads, indices = self._full_gradients(grads)
+        grads = self.adasum.reduce(grads, indices)
+        variables = [self._variables[i] for i in indices]
+        self.adasum.apply_update(self.optimizer, [tf.identity(g) for g in grads], variables)
+        return loss
+
+    def gradient_freeze_process(self, *inputs):
+        """One training step through the freeze branch of the current group; returns the loss.
+
+        MindSpore's `gradient_freeze_process(*inputs)`: the group `sequence[position]`
+        gets gradients and the update, the sequence advances. Needs a freeze stage.
+        """
+        if self.freeze is None:
+            raise ValueError("gradient_freeze_process needs a freeze stage: make the step with a FreezeOpt "
+                             "optimizer or gradient_freeze=...")
+        return self(*inputs)
+
+    def _require_built(self):
+        if not self.built:
+            raise RuntimeError("the step is not built yet: call it once on data (step(x, y)) or build(state) first")
 
     def logs(self):
         """The boost scalars of the last step (identical on every worker)."""
@@ -191,7 +361,10 @@ class BoostTrainOneStep:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(watched)
             y_pred = self.model(x, training=True)
-            loss = _call_compute_loss(self.model, x, y, y_pred, sample_weight)
+            if self.loss_fn is None:
+                loss = _call_compute_loss(self.model, x, y, y_pred, sample_weight)
+            else:
+                loss = self._loss_fn_loss(y, y_pred, sample_weight)
             target = loss * self.sens if self.sens != 1.0 else loss
             for stage in self._with("scale_loss"):
                 target = stage.scale_loss(target)
@@ -212,6 +385,16 @@ class BoostTrainOneStep:
 
             run_if(window.boundary, update_from_window)
         return loss, y_pred
+
+    def _loss_fn_loss(self, y, y_pred, sample_weight):
+        if sample_weight is None:
+            loss = self.loss_fn(y, y_pred)
+        else:
+            loss = self.loss_fn(y, y_pred, sample_weight)
+        loss = tf.reduce_mean(tf.cast(loss, tf.float32))
+        if self.model.losses:
+            loss += tf.add_n([tf.cast(extra, tf.float32) for extra in self.model.losses])
+        return loss
 
     def _update(self, grads, indices):
         """Communicates once, decides for all workers whether to apply, applies, then after_update."""
@@ -282,6 +465,11 @@ class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
 
     def __init__(self, model, optimizer, scale_sense, **options):
         super().__init__(model, optimizer, loss_scale=as_loss_scale(scale_sense), **options)
+
+    def __call__(self, *inputs):
+        """One training step; returns `(loss, overflow, scale)` as MindSpore's cell: the
+        loss, whether this step's gradients overflowed, and the scale used in this step."""
+        return super().__call__(*inputs)
 
     def set_sense_scale(self, value):
         """Sets the loss scale from the host (MindSpore's `set_sense_scale`)."""

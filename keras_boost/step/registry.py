@@ -80,7 +80,10 @@ def level_options(boost_config):
     if features["grad_freeze"]:
         found["gradient_freeze"] = GradientFreeze(**params["grad_freeze"])
     if features["adasum"]:
-        found["adasum"] = AdaSum(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"])
+        # A level's AdaSum (not switched on by name) is turned off, with a warning, when
+        # device_number does not fit the launch, as MindSpore does.
+        found["adasum"] = AdaSum(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"],
+                                 strict="adasum" in getattr(boost_config, "explicit", ()))
     if features["grad_accumulation"]:
         found["gradient_accumulation"] = params["grad_accumulation"]["grad_accumulation_step"]
     if params["common"]["gradient_split_groups"] is not None:
