@@ -6,10 +6,10 @@ imported, so a plain `python train.py` costs nothing extra and works even where 
 is not installed. Under a launcher, `init()` initialises `horovod.tensorflow`; the broken
 Keras bindings (`horovod.tensorflow.keras`, `horovod.keras`) are never used.
 
-Collectives are named by their position in the graph being traced (Horovod pairs the
-workers' tensors by name), so the names do not depend on how often a worker traced: a
-worker that joins an elastic job traces once more than the others, and a new trace starts
-from the first name again. Eager collectives use fixed names; they run one at a time.
+Collectives are named by their position since the start of the trace being built (Horovod
+pairs the workers' tensors by name), so the names do not depend on how often a worker
+traced: a worker that joins an elastic job traces once more than the others. Elastic
+training restarts the numbering when the workers re-form (`restart_collective_names`).
 
 When counting is switched on (`count_collectives(True)`, or the environment variable
 `KERAS_BOOST_COUNT_COLLECTIVES=1` before the first step is traced), every collective a
@@ -49,7 +49,8 @@ class _State:
     initialized = False
     counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
     counting = os.environ.get("KERAS_BOOST_COUNT_COLLECTIVES", "") == "1"
-    names = weakref.WeakKeyDictionary()  # graph -> collectives named in it so far
+    names = weakref.WeakKeyDictionary()  # the traces whose collectives were numbered
+    op_index = 0  # collectives named since the last restart
     boost_step_depth = 0  # > 0 while the boost step is traced (it averages by itself)
     comm = None  # the communicator given to init(comm=...)
     gpu = None  # {"device", "local_rank", "local_size", "how"} once a GPU is pinned
@@ -337,17 +338,29 @@ def _count(outputs):
 
 
 def _name(prefix):
-    """`keras_boost.<prefix>.<n>`: n counts the collectives of the graph being traced (eager: fixed)."""
-    if not tf.inside_function():
-        return f"keras_boost.{prefix}.eager"
-    graph = tf.compat.v1.get_default_graph()
-    # Branches of a switch_case and loop bodies are graphs of their own: number the
-    # collectives of the whole trace, so that every name is unique within the step.
-    while getattr(getattr(graph, "outer_graph", None), "outer_graph", None) is not None:
-        graph = graph.outer_graph
-    index = _state.names.get(graph, 0) + 1
-    _state.names[graph] = index
-    return f"keras_boost.{prefix}.{index}"
+    """`keras_boost.<prefix>.<n>`: n counts from the last restart of the numbering.
+
+    Horovod pairs the workers' tensors by name. The numbering restarts at the start of every
+    trace of the train step (`start_trace`), whatever a worker traced before, and when
+    elastic training re-forms the workers (`restart_collective_names`), so a worker that
+    just joined and the survivors name their collectives alike.
+    """
+    _state.op_index += 1
+    return f"keras_boost.{prefix}.{_state.op_index}"
+
+
+def start_trace():
+    """Restarts the numbering once per traced graph (call at the start of the train step)."""
+    if tf.inside_function():
+        graph = tf.compat.v1.get_default_graph()
+        if graph not in _state.names:  # once per trace, even with steps_per_execution > 1
+            _state.names[graph] = True
+            _state.op_index = 0
+
+
+def restart_collective_names():
+    """Restarts the numbering; elastic training calls it on every worker when the workers re-form."""
+    _state.op_index = 0
 
 
 def grouped_allreduce(tensors, average=True, process_set=None):

@@ -220,8 +220,9 @@ class _BoostModelStateMixin:
         super().restore()
 
     def sync(self):
-        # Collective names are numbered per trace, so a worker that just joined and the
-        # survivors (whose compiled functions are retraced) name them alike.
+        # Collective names must match on every worker; a worker that just joined starts
+        # counting from zero, so the survivors do too (their compiled functions are retraced).
+        distributed.restart_collective_names()
         _rebuild_adasum(self.model)
         if distributed.size() > 1:
             distributed.broadcast_variables(self.variables, root_rank=0)
@@ -230,6 +231,7 @@ class _BoostModelStateMixin:
 
     def reset(self):
         self.resets += 1
+        distributed.restart_collective_names()
         model = self.model
         # The compiled functions hold collectives traced for the old workers (their number,
         # the AdaSum groups); Keras retraces them on the next fit/evaluate/predict.

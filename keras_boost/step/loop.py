@@ -196,6 +196,7 @@ class BoostTrainOneStep:
             return self._train_step(data)
 
     def _train_step(self, data):
+        distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, y_pred = self._run(x, y, sample_weight)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -261,6 +262,7 @@ class BoostTrainOneStep:
             distributed.broadcast_variables(variables, 0)
 
     def _standalone(self, data):
+        distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         scale = None
         if self.loss_scale is not None:
