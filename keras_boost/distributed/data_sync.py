@@ -70,6 +70,13 @@ def fingerprint(model, fit_args):
         config = model.get_compile_config() or {}
     except Exception:  # noqa: BLE001 - an exotic compile argument: compare its repr
         config = {}
+    boost = config.get("boost")
+    if isinstance(boost, dict) and isinstance(boost.get("stages"), dict):
+        # one entry per boost option, with that stage's own configuration: differences read
+        # as `boost.gradient_accumulation.max_accumulation_step`
+        stages = boost["stages"]
+        config = dict(config, boost={**{k: v for k, v in boost.items() if k != "stages"},
+                                     **{option: stage.get("config", stage) for option, stage in stages.items()}})
     for key, value in config.items():
         compile_config[key] = json.dumps(_strip_names(value), sort_keys=True, default=repr)
     variables = [[v.path, list(map(int, v.shape)), str(v.dtype)] for v in model.variables] if model.built else None
