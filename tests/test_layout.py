@@ -63,7 +63,7 @@ def test_config_imports_neither_tensorflow_nor_horovod():
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0] if not node.module.startswith("keras_boost") else node.module)
     assert not {"tensorflow", "horovod", "keras"} & imported, imported
-    assert imported <= {"copy", "json", "os", "keras_boost._validation"}, imported
+    assert imported <= {"copy", "json", "os", "warnings", "keras_boost._validation"}, imported
 
 
 def test_keras_version_outside_the_range_fails_with_the_range():
