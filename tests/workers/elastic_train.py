@@ -128,9 +128,10 @@ def main():
     weights = [np.asarray(w) for w in model.get_weights()]
     optimizer = [np.asarray(v) for v in model.optimizer.variables]
     digest = hashlib.sha256(b"".join(w.tobytes() for w in weights + optimizer)).hexdigest()
+    weights_digest = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
     reference = replay(x, y, state.log)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), weights))
-    report(distributed.rank(), size=distributed.size(), digest=digest, epochs=state.epoch, history=history,
+    report(distributed.rank(), size=distributed.size(), digest=digest, weights_digest=weights_digest, epochs=state.epoch, history=history,
            log=state.log, resets=state.resets, joined_late=joined_late, reference_diff=diff,
            iterations=int(model.optimizer.iterations.numpy()), seconds=seconds,
            adasum_groups=model.boost_step.adasum.groups if ADASUM else None)
