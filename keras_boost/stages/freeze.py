@@ -486,7 +486,8 @@ class FreezeOpt(keras.optimizers.Optimizer):
         self.position.assign((self.position.value + 1) % len(schedule))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError("FreezeOpt runs with the TensorFlow backend's stateful apply only")
+        raise RuntimeError("FreezeOpt runs only with the TensorFlow backend's stateful apply (keras_boost supports "
+                           "TensorFlow only), not with a stateless (JAX-style) apply")
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
