@@ -30,27 +30,7 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, 
     horovodrun_bin = str(Path(sys.executable).parent / "horovodrun")
     cmd = [horovodrun_bin, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
            "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
-    full_env = dict(os.environ)
-    full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
-                     "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
-                     "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-                     # idle MPI ranks yield the core instead of spinning (2 cores, up to 4 ranks)
-                     "OMPI_MCA_mpi_yield_when_idle": "1"})
-    full_env.update(_device_env(gpus))
-    full_env.update(env or {})
-    result_dir = tempfile.mkdtemp(prefix="kb_results_")
-    full_env["KB_RESULT_DIR"] = result_dir
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out)
-    completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-    completed.result_dir = result_dir
-    return completed
+    return _launch(cmd, timeout, env, gpus)
 
 
 def results(completed):
@@ -81,9 +61,16 @@ def mpirun(script, np=2, args=(), timeout=240, env=None, gpus=False):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), "--bind-to", "none",
            "-x", "PYTHONPATH", "-x", "KB_RESULT_DIR", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PYTHONUNBUFFERED",
            *([] if gpus else ["-x", "CUDA_VISIBLE_DEVICES"]), sys.executable, str(WORKERS / script), *map(str, args)]
+    return _launch(cmd, timeout, env, gpus)
+
+
+def _launch(cmd, timeout, env, gpus):
+    """Runs a launcher command in its own process group; kills the whole group after `timeout` s."""
     full_env = dict(os.environ)
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+                     "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
                      "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+                     # idle MPI ranks yield the core instead of spinning (2 cores, up to 4 ranks)
                      "OMPI_MCA_mpi_yield_when_idle": "1"})
     full_env.update(_device_env(gpus))
     full_env.update(env or {})
