@@ -8,7 +8,8 @@ checks the Keras version first and fails with a clear message outside the tested
 Tested with Keras 3.15.1 (what TensorFlow 2.18.1 installs); the lower bound is the first
 3.x whose names below all exist (`Functional`, `functional_init_arguments`,
 `Layer._flatten_layers`, `Trainer._symbolic_build`, `Trainer._loss_tracker`,
-`Trainer._get_metrics_result_or_logs`, `BackupAndRestore._save_model`,
+`Trainer._get_metrics_result_or_logs`, `TensorFlowTrainer._autoconvert_optionals` and
+`_make_function`, `BackupAndRestore._save_model`,
 `Optimizer._learning_rate`, `KerasTensor._keras_history`, `Operation._inbound_nodes`).
 """
 
@@ -85,6 +86,36 @@ def symbolic_build(model, data_batch):
     trace; the boost step needs the variables before it runs.
     """
     model._symbolic_build(data_batch=data_batch)
+
+
+def symbolic_batch(data_or_spec):
+    """A batch `symbolic_build` accepts, from tensors or from a `tf.data` element spec.
+
+    `Trainer._symbolic_build` reads only `.shape` and `.dtype` of each leaf; a
+    `tf.TensorSpec`'s shape is a `TensorShape`, which it does not take, hence the tuple.
+    """
+    import tensorflow as tf
+
+    def leaf(value):
+        if isinstance(value, tf.TensorSpec):
+            return keras.KerasTensor(tuple(value.shape.as_list()), value.dtype.name)
+        return value
+
+    return tf.nest.map_structure(leaf, data_or_spec)
+
+
+def autoconvert_optionals(model, step_function):
+    """Keras' wrapper that turns `tf.experimental.Optional` leaves of a batch into None.
+
+    Since Keras 3.5 (`TensorFlowTrainer._autoconvert_optionals`); the boost step's own
+    per-group train functions wrap their step with it as Keras wraps `one_step_on_data`.
+    """
+    return model._autoconvert_optionals(step_function)
+
+
+def make_keras_train_function(model, step_function):
+    """Keras' own train function around `step_function` (`TensorFlowTrainer._make_function`, since 3.5)."""
+    return model._make_function(step_function)
 
 
 def update_loss_tracker(model, loss, batch_size):

@@ -160,6 +160,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
     # ----------------------------------------------------------------- steps
     def train_step(self, data):
+        return self.branch_train_step(data, None)
+
+    def branch_train_step(self, data, branch):
+        """The boost step of freeze group `branch` (a Python int), or of the step's own choice (None)."""
         if self.boost_step is None:
             raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
         if not self.boost_step.built and not all(layer.built for layer in _keras_compat.flatten_layers(self)):
@@ -167,13 +171,26 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             # the boost step needs the variables first.
             _keras_compat.symbolic_build(self, data)
         self.boost_step.build(self.boost_state)
-        return self.boost_step.train_step(data)
+        return self.boost_step.train_step(data, branch)
 
     def make_train_function(self, force=False):
         from keras_boost.distributed.dropin import without_jit_for_collectives
+        from keras_boost.step.dispatch import BranchTrainFunction
 
+        if self.train_function is not None and not force:
+            return self.train_function
         with without_jit_for_collectives(self):
+            if self._chooses_branches_in_python():
+                # One compiled function per freeze group, each traced when the group first trains.
+                self.train_function = BranchTrainFunction(self, self.jit_compile)
+                return self.train_function
             return super().make_train_function(force=force)
+
+    def _chooses_branches_in_python(self):
+        step = self.boost_step
+        if step is None or type(self).train_step is not BoostModel.train_step or not step._with("select_branch"):
+            return False  # no branches, or a user train_step that Keras' own function runs
+        return not step.built or step.plans_branches()
 
     # ------------------------------------------------------ worker agreement
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):

@@ -212,22 +212,6 @@ def test_steps_per_execution_gives_the_same_training():
     assert moved > 1e-2
 
 
-def _traced_functions(function, seen=None):
-    """The tf.functions reachable through the closures of Keras' train_function
-    (`multi_step_on_iterator` and `one_step_on_data`)."""
-    seen = set() if seen is None else seen
-    if id(function) in seen:
-        return []
-    seen.add(id(function))
-    found = [function] if hasattr(function, "experimental_get_tracing_count") else []
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            found += _traced_functions(cell.cell_contents, seen)
-        except ValueError:  # an empty cell
-            continue
-    return found
-
-
 def test_each_branch_is_traced_once_over_many_steps():
     model = deep_mlp()
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
@@ -247,9 +231,44 @@ def test_each_branch_is_traced_once_over_many_steps():
     assert int(model.optimizer.iterations.numpy()) == 30
     assert set(history.history["freeze_group"]) == {0.0, 1.0, 2.0}
     assert sorted(built.values()) == [1, 1, 1] and len(built) == 3  # one trace of each branch
-    functions = _traced_functions(model.train_function)
-    assert len(functions) >= 2  # Keras' loop and its one-step function
-    assert all(f.experimental_get_tracing_count() == 1 for f in functions)
+    # One compiled function per group (its step, and its loop over the iterator), each traced once.
+    counts = model.train_function.tracing_counts()
+    assert sorted(counts) == [(kind, g) for kind in ("step", "steps") for g in range(3)]
+    assert set(counts.values()) == {1}
+
+
+def test_the_first_step_compiles_only_its_own_group():
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05)
+    model.compile(optimizer=optimizer, loss=LOSS,
+                  gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [2, 2, 0, 1]))
+    x, y = classification_data(n=32, seed=3)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert model.train_function.traced_groups() == [2]  # steps 0 and 1 both train group 2
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert model.train_function.traced_groups() == [2, 0, 1]
+
+
+def test_per_group_functions_equal_the_switch_case_step():
+    """The per-group functions chosen from Python give the weights of the one-graph step."""
+    results = []
+    for in_python in (True, False):
+        model = deep_mlp()
+        optimizer = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=3, gradient_accumulation=2,
+                      gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [0, 2, 2, 1, 0]))
+        if not in_python:
+            model._chooses_branches_in_python = lambda: False  # Keras' function around one tf.switch_case
+        x, y = classification_data(n=16 * 11 - 5, seed=4)  # a partial last batch and a partial last chunk
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        assert type(model.train_function).__name__ == ("BranchTrainFunction" if in_python else "function")
+        results.append((weights(model), [np.array(v) for v in model.optimizer.variables], history.history,
+                        int(model.optimizer.iterations.numpy()), int(model.boost_step.freeze.position.numpy())))
+    (w1, o1, h1, n1, p1), (w2, o2, h2, n2, p2) = results
+    assert n1 == n2 == 11 and p1 == p2 == 1  # 22 micro-batches, 2 per update; the sequence of 5 wrapped twice
+    assert h1 == h2
+    for a, b in zip(w1 + o1, w2 + o2):
+        np.testing.assert_array_equal(a, b)
 
 
 # -------------------------------------------------- loss scaling and accumulation

@@ -95,6 +95,10 @@ class GradientAccumulation(Stage):
         boundary = self.accumulate(grads, indices)
         return Window(boundary, lambda: self.mean(indices), lambda: self.reset(indices))
 
+    def steps_to_boundary(self):
+        """(micro-batches left in this window, micro-batches per window), read between steps."""
+        return self.max_accumulation_step - int(self.micro_step.numpy()), self.max_accumulation_step
+
     def mean(self, indices):
         """The mean gradient of the window for the variables at `indices`."""
         inverse = 1.0 / tf.cast(self.micro_step.value, tf.float32)

@@ -736,6 +736,25 @@ class FreezeSchedule(Stage):
     def after_update(self):
         self.advance()
 
+    def upcoming_branch(self):
+        """(group, updates): the group of the next update and how many updates in a row train it."""
+        schedule, period = self.plan.schedule, self.plan.period
+        position = int(self.position.numpy()) % period
+        group = int(schedule[position])
+        updates = 1
+        while updates < period and schedule[(position + updates) % period] == group:
+            updates += 1
+        return group, updates
+
+    def enter_branch(self, branch):
+        """Inside the compiled step of group `branch`: checks the sequence agrees, records the group."""
+        expected = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        check = tf.debugging.assert_equal(
+            expected, tf.constant(branch, tf.int32),
+            message=f"the compiled step of freeze group {branch} ran where the freeze sequence names another group")
+        with tf.control_dependencies([check] if check is not None else []):
+            self.last_group.assign(tf.constant(branch, tf.int32))
+
     def current_group(self):
         group = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
         self.last_group.assign(group)

@@ -24,7 +24,10 @@ carry it. `get_config()` returns plain JSON values (variables by `path`), and
 
 A stage that decides *which compiled step runs* overrides `select_branch`: it returns the
 index lists of the variables each branch trains and a selector; nothing in the contract
-ties the branches to one `tf.switch_case`.
+ties the branches to one `tf.switch_case`. When it also answers `upcoming_branch()` (and a
+window stage `steps_to_boundary()`), `BoostModel.fit` compiles one function per branch, when
+the branch is first needed, and picks it from Python between steps
+(`keras_boost.step.dispatch`); `enter_branch(branch)` then runs inside that branch's step.
 """
 
 import dataclasses
@@ -109,6 +112,23 @@ class Stage:
 
     def select_branch(self):
         """(list of index lists, selector) where selector() gives the branch to run; None for one branch."""
+        return None
+
+    # Python-side planning: lets the train function run each branch as its own compiled
+    # function, chosen from Python, instead of one `tf.switch_case` over all branches.
+    def upcoming_branch(self):
+        """For a `select_branch` owner: (branch, updates), Python ints read between steps.
+
+        `branch` is the branch the next update trains; `updates` (>= 1) how many updates in a
+        row train it. None when the stage cannot say (the step then falls back to its selector).
+        """
+        return None
+
+    def enter_branch(self, branch):
+        """For a `select_branch` owner, inside the compiled step of `branch` (a Python int)."""
+
+    def steps_to_boundary(self):
+        """For a `window` owner: (steps left in this window, steps per window), Python ints; None if unknown."""
         return None
 
     def logs(self):

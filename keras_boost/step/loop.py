@@ -10,9 +10,12 @@
     -> [agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
 
-With several branches (gradient freezing), one branch per group is traced once and chosen
-inside the compiled step with `tf.switch_case`; only the taken branch runs, so the backward
-pass through the frozen prefix is never computed.
+With several branches (gradient freezing), `BoostModel.fit` and the standalone step compile
+one function per branch, when it is first needed, and choose it from Python between steps
+(`keras_boost.step.dispatch`): the first step traces one branch, not all of them, and each
+branch's graph holds only its own forward and backward pass. Inside a caller's own
+`tf.function` the branches are chosen with `tf.switch_case` instead; only the taken branch
+runs. Either way the backward pass through the frozen prefix is never computed.
 """
 
 import functools
@@ -190,25 +193,57 @@ class BoostTrainOneStep:
         self.built = True
 
     # ---------------------------------------------------------------- step
-    def train_step(self, data):
-        """One step inside a compiled `train_step` (what `BoostModel.train_step` runs); returns the logs."""
-        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
-            return self._train_step(data)
+    def train_step(self, data, branch=None):
+        """One step inside a compiled `train_step` (what `BoostModel.train_step` runs); returns the logs.
 
-    def _train_step(self, data):
+        `branch`: None chooses the freeze group inside the step (`tf.switch_case`); a Python
+        int compiles only that group's step (the caller chose it with `next_branch`).
+        """
+        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
+            return self._train_step(data, branch)
+
+    @property
+    def branches(self):
+        """How many branches (freeze groups) the built step has."""
+        self._require_built()
+        return len(self._groups)
+
+    def plans_branches(self):
+        """Whether the branch of each step can be chosen from Python (`next_branch`)."""
+        self._require_built()
+        return len(self._groups) > 1 and self._with("select_branch")[0].upcoming_branch() is not None
+
+    def next_branch(self, limit):
+        """(branch, steps): the branch the next step trains, and for how many steps in a row (1..limit).
+
+        Read from the state variables between steps, so it follows a restored or re-formed
+        run; identical on every worker, whose state is identical.
+        """
+        branch, updates = self._with("select_branch")[0].upcoming_branch()
+        windowing = self._with("window")
+        window = windowing[0].steps_to_boundary() if windowing else (1, 1)
+        if window is None:  # a window that cannot say where it ends: one step at a time
+            return branch, 1
+        first, per_update = window
+        return branch, max(1, min(limit, first + (updates - 1) * per_update))
+
+    def _train_step(self, data, branch=None):
         distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss, y_pred = self._run(x, y, sample_weight)
+        loss, y_pred = self._run(x, y, sample_weight, branch)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         _keras_compat.update_loss_tracker(self.model, loss, batch_size)
         logs = dict(self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
         logs.update(self.logs())
         return logs
 
-    def _run(self, x, y, sample_weight):
+    def _run(self, x, y, sample_weight, branch=None):
         """The step through the branch of this step's freeze group; returns (loss, y_pred)."""
         if len(self._groups) == 1:
             return self._branch(self._groups[0], x, y, sample_weight)
+        if branch is not None:
+            self._with("select_branch")[0].enter_branch(branch)
+            return self._branch(self._groups[branch], x, y, sample_weight)
         branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
         return tf.switch_case(self._selector(), branches)
 
@@ -231,9 +266,14 @@ class BoostTrainOneStep:
         if self._compiled is None:
             self._prepare_standalone(data)
             # The loop has no tensor-dependent Python control flow (tf.cond and tf.switch_case are
-            # explicit), so AutoGraph need not convert it.
-            self._compiled = tf.function(self._standalone, autograph=False)
-        return self._compiled(data)
+            # explicit), so AutoGraph need not convert it. One function per branch when the
+            # branch can be chosen from Python, each compiled when first needed.
+            self._compiled = {}
+            self._plans = self.plans_branches()
+        branch = self.next_branch(1)[0] if self._plans else None
+        if branch not in self._compiled:
+            self._compiled[branch] = tf.function(functools.partial(self._standalone, branch=branch), autograph=False)
+        return self._compiled[branch](data)
 
     def _prepare_standalone(self, data):
         """Builds the model and the step, and makes the workers start from rank 0's variables."""
@@ -261,14 +301,14 @@ class BoostTrainOneStep:
                 variables += list(own_state.variables)
             distributed.broadcast_variables(variables, 0)
 
-    def _standalone(self, data):
+    def _standalone(self, data, branch=None):
         distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         scale = None
         if self.loss_scale is not None:
             scale = tf.identity(tf.reshape(tf.convert_to_tensor(self.loss_scale.scale), []))
         with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
-            loss, _ = self._run(x, y, sample_weight)
+            loss, _ = self._run(x, y, sample_weight, branch)
         if scale is None:
             return loss
         overflow = tf.cast(self.loss_scale.last_overflow.value, tf.bool)

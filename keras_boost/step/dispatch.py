@@ -1,0 +1,191 @@
+"""One compiled train function per freeze group, chosen from Python between steps.
+
+With gradient freezing the boost step has one branch per group. Tracing every branch into
+one `tf.switch_case` makes the first step trace (and TensorFlow optimise) all of them, and
+the step graph carries every branch's forward and backward pass. The freeze sequence is
+known in advance and identical on every worker, so `fit` does not need to decide inside the
+graph: `BranchTrainFunction` reads the sequence's position between steps, runs the group's
+own compiled function, and compiles a group's function only when the group first trains.
+
+It replaces `model.train_function` and keeps Keras' contract: each call consumes
+`steps_per_execution` batches (fewer at the end of the data) from the epoch's iterator and
+returns the last step's logs; an exhausted iterator raises as Keras' own function does.
+With `steps_per_execution` > 1, consecutive steps of the same group run inside one compiled
+call (a `tf.while_loop` over `steps`, traced once per group), so it still saves Python
+round trips.
+"""
+
+import tensorflow as tf
+
+from keras_boost import _keras_compat
+
+
+class BranchTrainFunction:
+    """`model.train_function` for a boost step with several branches (freeze groups).
+
+    Args:
+        model: the compiled `BoostModel`.
+        jit_compile: whether each group's step is compiled with XLA (the model's resolved
+            `jit_compile`, or False on many workers, as for the single-branch step).
+    """
+
+    def __init__(self, model, jit_compile):
+        self.model = model
+        self.jit_compile = bool(jit_compile)
+        self._on_data = {}
+        self._on_iterator = {}
+        self._built = False
+        self._fallback = None  # Keras' own train function, when the branches cannot be planned
+
+    # ------------------------------------------------------------ compiled parts
+    def _step_on_data(self, branch):
+        """One step of `branch` on one batch (Keras' `one_step_on_data`), compiled once."""
+        if branch not in self._on_data:
+            model = self.model
+
+            def one_step_on_data(data):
+                return model.distribute_strategy.run(model.branch_train_step, args=(data, branch))
+
+            if not model.run_eagerly:
+                one_step_on_data = _quiet(tf.function(one_step_on_data, reduce_retracing=True,
+                                                      jit_compile=self.jit_compile, autograph=False))
+            self._on_data[branch] = _keras_compat.autoconvert_optionals(model, one_step_on_data)
+        return self._on_data[branch]
+
+    def _steps_on_iterator(self, branch):
+        """Up to `steps` steps of `branch` from the iterator; returns (logs, steps run).
+
+        Every batch is taken with `get_next_as_optional` and its step runs under a `tf.cond`
+        on it, as in Keras' own multi-step function: a step whose batch is missing must not
+        run at all (its freeze-position update does not depend on the data, so a failing
+        `get_next` would not stop it). Without a batch it returns zeros and 0 steps.
+        """
+        if branch not in self._on_iterator:
+            step = self._step_on_data(branch)
+
+            def step_if(optional, previous):
+                traced = {}
+
+                def taken():
+                    traced["logs"] = step(optional.get_value())
+                    return traced["logs"]
+
+                def not_taken():  # traced after `taken` (cond_v2 traces the true branch first)
+                    if previous is not None:
+                        return previous
+                    return tf.nest.map_structure(
+                        lambda t: tf.zeros([d if d is not None else 0 for d in t.shape], t.dtype), traced["logs"])
+
+                return tf.cond(optional.has_value(), taken, not_taken)
+
+            def run(iterator, steps):
+                first = iterator.get_next_as_optional()
+                outputs = step_if(first, None)
+
+                def more(done, outputs, has_value):
+                    return tf.logical_and(has_value, done < steps)
+
+                def one_more(done, outputs, has_value):
+                    following = iterator.get_next_as_optional()
+                    outputs = step_if(following, outputs)
+                    has_value = following.has_value()
+                    return done + tf.cast(has_value, tf.int32), outputs, has_value
+
+                done = tf.cast(first.has_value(), tf.int32)
+                if self.model.steps_per_execution > 1:  # traced once per group; steps is a tensor
+                    done, outputs, _ = tf.while_loop(more, one_more, (done, outputs, first.has_value()))
+                return outputs, done
+
+            if not self.model.run_eagerly:
+                run = _quiet(tf.function(run, reduce_retracing=True, autograph=False))
+            else:
+                run = self._eager_run(step)
+            self._on_iterator[branch] = run
+        return self._on_iterator[branch]
+
+    @staticmethod
+    def _eager_run(step):
+        def run(iterator, steps):
+            outputs, done = None, 0
+            while done < int(steps):
+                optional = iterator.get_next_as_optional()
+                if not optional.has_value():
+                    break
+                outputs, done = step(optional.get_value()), done + 1
+            return outputs, done
+
+        return run
+
+    def traced_groups(self):
+        """The groups whose step has been compiled so far, in the order they first trained."""
+        return list(self._on_data)
+
+    def tracing_counts(self):
+        """{(kind, group): times traced} of every compiled function (each should be traced once)."""
+        counts = {}
+        for kind, functions in (("step", self._on_data), ("steps", self._on_iterator)):
+            for group, function in functions.items():
+                if not hasattr(function, "experimental_get_tracing_count"):
+                    function = getattr(function, "__wrapped__", function)  # under Keras' optional wrapper
+                if hasattr(function, "experimental_get_tracing_count"):
+                    counts[(kind, group)] = function.experimental_get_tracing_count()
+        return counts
+
+    # ----------------------------------------------------------------- the call
+    def __call__(self, iterator):
+        model = self.model
+        step = model.boost_step
+        limit = model.steps_per_execution
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            outputs = None  # a Python iterator of batches (train_on_batch): one batch at a time
+            for _, data in zip(range(limit), iterator):
+                self._build(data)
+                if self._fallback is not None:
+                    return self._fallback(iter([data]))
+                outputs = self._step_on_data(step.next_branch(1)[0])(data)
+            return outputs
+        self._build(iterator.element_spec)
+        if self._fallback is not None:
+            return self._fallback(iterator)
+        outputs, remaining = None, limit
+        while remaining > 0:
+            branch, steps = step.next_branch(remaining)
+            logs, done = self._steps_on_iterator(branch)(iterator, tf.constant(steps, tf.int32))
+            done = int(done)
+            if done:
+                outputs = logs
+            remaining -= done
+            if done < steps:  # the data ended inside the run
+                break
+        if outputs is None:
+            raise StopIteration  # nothing left at all: Keras ends the epoch
+        return outputs
+
+    def _build(self, data_or_spec):
+        """Builds the model and the boost step before the first step (the groups come from the variables)."""
+        if self._built:
+            return
+        model = self.model
+        if not model.boost_step.built:
+            if not all(layer.built for layer in _keras_compat.flatten_layers(model)):
+                _keras_compat.symbolic_build(model, _keras_compat.symbolic_batch(data_or_spec))
+            model.boost_step.build(model.boost_state)
+        self._built = True
+        if not model.boost_step.plans_branches():
+            # One group after all, or a selecting stage that cannot say its branches ahead.
+            from keras_boost.distributed.dropin import without_jit_for_collectives
+
+            with without_jit_for_collectives(model):
+                self._fallback = _keras_compat.make_keras_train_function(model, model.train_step)
+
+
+def _quiet(function):
+    """Keeps TensorFlow's "frequent retracing" warning off these functions.
+
+    TensorFlow counts traces per Python code object, so the groups' functions, one each,
+    traced once each, would read as one function retraced once per group. (A private
+    attribute of `tf.function`, present since TF 2.4; without it the warning is only noise.)
+    """
+    if hasattr(function, "_omit_frequent_tracing_warning"):
+        function._omit_frequent_tracing_warning = True
+    return function
