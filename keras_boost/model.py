@@ -253,8 +253,6 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             results = data_sync.metrics_result(self, super().get_metrics_result)
         except tf.errors.OpError as error:
             return dropin.alone_results(results, error)
-
-        results = data_sync.metrics_result(self, super().get_metrics_result)
         return {n: float(keras.ops.convert_to_numpy(v)) if np.ndim(v) == 0 else v for n, v in results.items()}
 
     def extra_log_keys(self):

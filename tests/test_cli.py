@@ -95,3 +95,22 @@ def test_bad_config_file(tmp_path):
     path.write_text(json.dumps({"grad_freeze": {"freeze_pp": 1}}))
     result = keras_boost("train", "--dataset", "synthetic", "--config", str(path), timeout=120)
     assert result.returncode != 0 and "freeze_pp" in result.stderr
+
+
+def test_bench_summary_takes_medians_over_runs_and_the_target_from_the_first_level():
+    from keras_boost.app.bench import markdown_table, summarize
+
+    def run(level, seed, epochs, accuracies, step):
+        return {"level": level, "seed": seed, "epoch_times": epochs, "accuracies": accuracies, "first_step": epochs[0] / 2,
+                "step_time": step, "report": {"level": level}}
+
+    runs = [run("O0", 0, [10, 4, 6], [0.5, 0.806, 0.81], 0.2), run("O1", 0, [12, 3, 3], [0.5, 0.806, 0.81], 0.1),
+            run("O0", 1, [10, 4, 4], [0.5, 0.6, 0.81], 0.2), run("O1", 1, [12, 2, 2], [0.5, 0.6, 0.70], 0.1)]
+    target, rows = summarize(runs, ["O0", "O1"])
+    assert target == pytest.approx(0.805)  # mean final accuracy of O0 (0.81) - 0.5 pp
+    o0, o1 = rows
+    assert o0["epoch"] == 4.5 and o1["epoch"] == 2.5  # medians of the per-run medians after epoch 1: [5, 4], [3, 2]
+    assert o0["to_target"] == 16 and o0["reached"] == 2  # reached after 10+4 = 14 s and 10+4+4 = 18 s
+    assert o1["to_target"] is None and o1["reached"] == 1  # the seed-1 run of O1 never reached 0.805
+    table = markdown_table(runs, ["O0", "O1"])
+    assert "not reached in 1 of 2 runs" in table and "| O1 | 2.5 (2.0-3.0) |" in table and "2.00x" in table

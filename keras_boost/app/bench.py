@@ -1,24 +1,47 @@
-"""`keras-boost bench`: the same model and data at several boost levels, side by side."""
+"""`keras-boost bench`: the same model and data at several boost levels, side by side.
+
+The method holds still on a noisy machine: every (round, seed, level) run is its own
+process (a fresh TensorFlow; under `horovodrun` when `--np` > 1), the levels take turns
+within each round, and `fit` is called as users call it. The table gives medians with
+their range over the runs; the plot, test accuracy against training time.
+"""
 
 import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import keras
 
 from keras_boost import distributed
-from keras_boost.app.training import boost_report, prepare
 
 
 class _EpochClock(keras.callbacks.Callback):
-    """Training time per epoch (evaluation excluded) and test accuracy after each epoch."""
+    """Training time per epoch (evaluation excluded), step times, first step, test accuracy per epoch."""
 
     def __init__(self, test_data):
         super().__init__()
         self.test_data = test_data
-        self.train_times, self.accuracies = [], []
+        self.train_times, self.accuracies, self.step_times = [], [], []
+        self.first_step = None
+
+    def on_train_begin(self, logs=None):
+        self._train_start = time.perf_counter()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+        self._start = self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self.first_step is None:
+            self.first_step = now - self._train_start
+        elif len(self.train_times) > 0:  # steps after the first epoch (tracing excluded)
+            self.step_times.append(now - self._step_start)
+        self._step_start = now
 
     def on_epoch_end(self, epoch, logs=None):
         self.train_times.append(time.perf_counter() - self._start)
@@ -27,14 +50,21 @@ class _EpochClock(keras.callbacks.Callback):
 
 
 def run_level(args, level):
+    """One run of `level` in this process (on this worker); returns its times and accuracies."""
+    from keras_boost.app.training import boost_report, prepare
+
     level_args = copy.copy(args)
     level_args.level = level
     model, (x, y), test = prepare(level_args)
     clock = _EpochClock(test)
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
               shuffle=True, verbose=0, callbacks=[clock])
-    return {"level": level, "epoch_times": clock.train_times, "accuracies": clock.accuracies,
-            "report": boost_report(model)}
+    return {"level": level, "seed": args.seed, "epoch_times": clock.train_times, "accuracies": clock.accuracies,
+            "first_step": clock.first_step, "step_time": _median(clock.step_times), "report": boost_report(model)}
+
+
+def _median(values):
+    return statistics.median(values) if values else None
 
 
 def time_to(result, target):
@@ -46,37 +76,75 @@ def time_to(result, target):
     return None
 
 
-def markdown_table(results, target):
-    base = results[0]
-    base_time = time_to(base, target)
-    lines = [f"Target test accuracy: {target:.4f} ({base['level']}'s final accuracy - 0.5 pp).", "",
-             "| level | median epoch time (s) | time to target (s) | final test accuracy | speed-up to target "
-             f"vs {base['level']} | epoch speed-up | boost report |",
-             "|---|---|---|---|---|---|---|"]
-    base_epoch = sorted(base["epoch_times"])[len(base["epoch_times"]) // 2]
-    for r in results:
-        epoch = sorted(r["epoch_times"])[len(r["epoch_times"]) // 2]
-        reached = time_to(r, target)
-        speedup = f"{base_time / reached:.2f}x" if reached and base_time else "not reached"
-        report = ", ".join(f"{k}={v}" for k, v in r["report"].items() if k != "level")
-        lines.append(f"| {r['level']} | {epoch:.1f} | {'%.1f' % reached if reached else 'not reached'} | "
-                     f"{r['accuracies'][-1]:.4f} | {speedup} | {base_epoch / epoch:.2f}x | {report} |")
+def _range(values, digits=1):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
+
+
+def summarize(runs, levels):
+    """Per level: medians and ranges over its runs (every round and seed)."""
+    by_level = {level: [r for r in runs if r["level"] == level] for level in levels}
+    final = {level: statistics.mean(r["accuracies"][-1] for r in rs) for level, rs in by_level.items()}
+    target = final[levels[0]] - 0.005
+    rows = []
+    for level, rs in by_level.items():
+        later_epochs = [_median(r["epoch_times"][1:]) or r["epoch_times"][0] for r in rs]
+        reached = [time_to(r, target) for r in rs]
+        rows.append({
+            "level": level, "runs": len(rs),
+            "epoch": _median(later_epochs), "epochs": later_epochs,
+            "step": _median([r["step_time"] for r in rs if r["step_time"] is not None]),
+            "first_step": _median([r["first_step"] for r in rs]), "first_epoch": _median([r["epoch_times"][0] for r in rs]),
+            "to_target": _median([t for t in reached if t is not None]) if all(t is not None for t in reached) else None,
+            "reached": sum(t is not None for t in reached),
+            "accuracy": final[level], "accuracies": [r["accuracies"][-1] for r in rs],
+            "report": rs[-1]["report"],
+        })
+    return target, rows
+
+
+def markdown_table(runs, levels, target=None):
+    computed_target, rows = summarize(runs, levels)
+    target = computed_target if target is None else target
+    base = rows[0]
+    lines = [f"Target test accuracy: {target:.4f} ({base['level']}'s mean final accuracy - 0.5 pp). Medians over "
+             f"{base['runs']} run(s) per level, each in its own process, levels taking turns; ranges in brackets.", "",
+             f"| level | epoch after the first (s) | step (ms) | per-step speed-up vs {base['level']} | first step (s) | "
+             f"first epoch (s) | time to target (s) | speed-up to target | final test accuracy | boost report |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        step_speedup = f"{base['step'] / row['step']:.2f}x" if row["step"] and base["step"] else "-"
+        if row["to_target"] and base["to_target"]:
+            to_target, speedup = f"{row['to_target']:.1f}", f"{base['to_target'] / row['to_target']:.2f}x"
+        else:
+            to_target = speedup = f"not reached in {row['runs'] - row['reached']} of {row['runs']} runs"
+        report = ", ".join(f"{k}={v}" for k, v in row["report"].items() if k != "level")
+        step = f"{1000 * row['step']:.0f}" if row["step"] else "-"
+        lines.append(
+            f"| {row['level']} | {row['epoch']:.1f} ({_range(row['epochs'])}) | {step} | {step_speedup} | "
+            f"{row['first_step']:.1f} | {row['first_epoch']:.1f} | {to_target} | {speedup} | {row['accuracy']:.4f} "
+            f"({_range(row['accuracies'], 4)}) | {report} |")
     return "\n".join(lines)
 
 
-def plot(results, path):
+def plot(runs, levels, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    for r in results:
+    colors = {}
+    for r in runs:
         elapsed, t = [], 0.0
         for seconds in r["epoch_times"]:
             t += seconds
             elapsed.append(t)
-        axes.plot(elapsed, r["accuracies"], marker="o", label=r["level"])
+        label = None if r["level"] in colors else r["level"]
+        line = axes.plot(elapsed, r["accuracies"], marker="o", label=label, color=colors.get(r["level"]), alpha=0.8)
+        colors.setdefault(r["level"], line[0].get_color())
     axes.set_xlabel("training wall time (s)")
     axes.set_ylabel("test accuracy")
     axes.legend()
@@ -86,13 +154,46 @@ def plot(results, path):
     plt.close(figure)
 
 
-def run_bench(args):
-    """Runs every level in turn on this worker; rank 0 writes the table and the plot."""
-    results = [run_level(args, level) for level in args.levels]
-    target = results[0]["accuracies"][-1] - 0.005
-    table = markdown_table(results, target)
-    if distributed.rank() == 0:
-        with open(args.table, "w") as handle:
-            handle.write(table + "\n")
-        plot(results, args.plot)
+def child_command(argv, level, seed, result_path, np_workers, controller):
+    """The command line of one run: this bench, one level and seed, writing its result to `result_path`."""
+    from keras_boost.app.cli import horovodrun_command, without_options
+
+    own = [sys.executable, "-m", "keras_boost.app.cli",
+           *without_options(argv, ("--np", "--levels", "--seeds", "--seed", "--rounds", "--table", "--plot")),
+           "--levels", level, "--seed", str(seed), "--result-json", result_path]
+    return horovodrun_command(np_workers, controller, own[1:]) if np_workers > 1 else own
+
+
+def run_bench(args, argv):
+    """Every round, seed and level in its own process, taking turns; writes the table and the plot."""
+    seeds = args.seeds or [args.seed]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="keras-boost-bench-") as folder:
+        for round_index in range(args.rounds):
+            for seed in seeds:
+                for level in args.levels:
+                    path = os.path.join(folder, f"{round_index}-{seed}-{level}.json")
+                    command = child_command(argv, level, seed, path, args.np, args.controller)
+                    done = subprocess.run(command, timeout=args.run_timeout, stdout=subprocess.DEVNULL)
+                    if done.returncode != 0 or not os.path.exists(path):
+                        raise RuntimeError(f"the {level} run (round {round_index + 1}, seed {seed}) failed with exit "
+                                           f"status {done.returncode}: {' '.join(command)}")
+                    with open(path) as handle:
+                        run = json.load(handle)
+                    runs.append(run)
+                    print(f"round {round_index + 1} seed {seed} {level}: epochs "
+                          f"{[round(t, 1) for t in run['epoch_times']]} s, accuracy {run['accuracies'][-1]:.4f}",
+                          flush=True)
+    table = markdown_table(runs, args.levels)
+    with open(args.table, "w") as handle:
+        handle.write(table + "\n")
+    plot(runs, args.levels, args.plot)
     return table
+
+
+def run_child(args):
+    """A child run: one level on this worker; rank 0 writes the result file."""
+    result = run_level(args, args.levels[0])
+    if distributed.rank() == 0:
+        with open(args.result_json, "w") as handle:
+            json.dump(result, handle)

@@ -64,29 +64,37 @@ def _positive_float(text):
     return value
 
 
-def _without_np(argv):
-    """`argv` without its `--np N` / `--np=N` option."""
-    cleaned, skip = [], False
+def without_options(argv, names):
+    """`argv` without the options in `names` (`--name value...` or `--name=value`), values included."""
+    cleaned, skipping = [], False
     for token in argv:
-        if skip:
-            skip = False
-        elif token == "--np":
-            skip = True
-        elif not token.startswith("--np="):
-            cleaned.append(token)
+        if token.startswith("--"):
+            skipping = token in names
+            if skipping or token.split("=", 1)[0] in names:
+                continue
+        elif skipping:
+            continue
+        cleaned.append(token)
     return cleaned
 
 
-def _relaunch(args, argv):
-    """Runs this same command on `--np` local workers under horovodrun."""
+def horovodrun_command(np_workers, controller, arguments):
+    """`horovodrun -np N -H localhost:N --<controller> python <arguments>`, or None without horovodrun."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(horovodrun):
         horovodrun = shutil.which("horovodrun")
     if horovodrun is None:
+        return None
+    return [horovodrun, "-np", str(np_workers), "-H", f"localhost:{np_workers}", f"--{controller}",
+            sys.executable, *arguments]
+
+
+def _relaunch(args, argv):
+    """Runs this same command on `--np` local workers under horovodrun."""
+    cmd = horovodrun_command(args.np, args.controller, ["-m", "keras_boost.app.cli", *without_options(argv, ("--np",))])
+    if cmd is None:
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
-    cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", f"--{args.controller}",
-           sys.executable, "-m", "keras_boost.app.cli", *_without_np(argv)]
     print("launching: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -105,16 +113,17 @@ def _train(args, argv):
 
 
 def _bench(args, argv):
-    from keras_boost import distributed
+    from keras_boost.app import bench
 
-    if args.np > 1 and not distributed.launched():
-        return _relaunch(args, argv)
-    from keras_boost.app.bench import run_bench
-
-    table = run_bench(args)
-    if distributed.rank() == 0:
-        print(table)
-        print(f"table: {args.table}\nplot: {args.plot}")
+    if args.result_json:  # one run, launched by the bench below
+        bench.run_child(args)
+        return 0
+    if args.np > 1 and horovodrun_command(args.np, args.controller, []) is None:
+        print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
+        return 2
+    table = bench.run_bench(args, argv)
+    print(table)
+    print(f"table: {args.table}\nplot: {args.plot}")
     return 0
 
 
@@ -165,6 +174,12 @@ def build_parser():
     bench.add_argument("--levels", nargs="+", choices=["O0", "O1", "O2"], default=["O0", "O1", "O2"])
     bench.add_argument("--table", default="bench.md", help="Markdown table output (default bench.md)")
     bench.add_argument("--plot", default="bench.png", help="PNG plot of test accuracy against wall time")
+    bench.add_argument("--rounds", type=_positive_int, default=1, help="repeat every level this many times, "
+                       "the levels taking turns (each run is its own process)")
+    bench.add_argument("--seeds", type=int, nargs="+", default=None, help="run every level with each of these "
+                       "seeds (default: --seed)")
+    bench.add_argument("--run-timeout", type=_positive_float, default=3600, help="seconds one run may take")
+    bench.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
     return parser
 
 

@@ -1,0 +1,156 @@
+"""Epoch and first-step time of keras.applications models: keras.Model against BoostModel levels.
+
+    .venv/bin/python scripts/bench_apps.py --model resnet50 --configs keras O0 O1 --rounds 2
+
+Every configuration runs in its own process (a fresh TensorFlow, nothing shared), the
+configurations take turns round after round, and each process trains with `fit` as users
+call it: `--epochs` epochs of `--steps` steps of batch `--batch-size` on 32x32x3 inputs
+(random data: this measures speed, not accuracy). Reported per configuration: the median
+and the spread of the epoch time after the first, the first step (from `fit`'s start to
+the end of step 0: tracing and graph optimisation) and the first epoch, and the ratios
+against the first configuration given.
+
+Configurations (`--configs`):
+    keras        plain keras.Model (the reference without keras_boost)
+    O0, O1, O2   BoostModel(boost_level=...) with the level's defaults
+    lessbn       O1 with LessBN and the FN head only (no GC, no freezing)
+    lessbn-gc    O1 with LessBN, FN head and GC (no freezing)
+    freeze       gradient freezing only (MindSpore's defaults: 10 groups, freeze_p 0.7)
+    freeze-p1    gradient freezing with freeze_p=1.0 (every step trains every variable)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0")
+O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
+CONFIGS = {
+    "keras": ("keras", None),
+    "O0": ("O0", None),
+    "O1": ("O1", None),
+    "O2": ("O2", None),
+    "lessbn": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": False}}),
+    "lessbn-gc": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": True}}),
+    "freeze": ("O1", {"boost": {"mode": "manual", "less_bn": False, "grad_freeze": True}}),
+    "freeze-p1": ("O1", {"boost": {"mode": "manual", "less_bn": False, "grad_freeze": True},
+                         "grad_freeze": {"freeze_p": 1.0}}),
+}
+
+
+def application(family, input_shape=(32, 32, 3), classes=10):
+    import keras
+
+    constructors = {
+        "resnet50": keras.applications.ResNet50,
+        "mobilenetv2": keras.applications.MobileNetV2,
+        "densenet121": keras.applications.DenseNet121,
+        "efficientnetb0": keras.applications.EfficientNetB0,
+    }
+    return constructors[family](weights=None, input_shape=input_shape, classes=classes)
+
+
+def build(family, config, seed=0):
+    """The model of `config` on `family`, compiled as the benchmark trains it."""
+    import keras
+
+    from keras_boost import BoostModel
+
+    keras.utils.set_random_seed(seed)
+    base = application(family)
+    level, boost_config = CONFIGS[config]
+    if level == "keras":
+        model = keras.Model(base.inputs, base.outputs)
+    else:
+        model = BoostModel(base.inputs, base.outputs, boost_level=level, boost_config=boost_config)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+    return model
+
+
+def worker(args):
+    """One configuration in this process; prints one JSON line of times."""
+    import keras
+    import numpy as np
+
+    model = build(args.model, args.worker)
+    rng = np.random.default_rng(0)
+    x = rng.random((args.steps * args.batch_size, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, len(x))
+
+    class Times(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epochs, self.first_step = [], None
+
+        def on_train_begin(self, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch_start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first_step is None:
+                self.first_step = time.perf_counter() - self.start
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epochs.append(time.perf_counter() - self.epoch_start)
+
+    times = Times()
+    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[times])
+    print("RESULT " + json.dumps({"epochs": times.epochs, "first_step": times.first_step}), flush=True)
+
+
+def spread(values):
+    return f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=FAMILIES, default="resnet50")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["keras", "O0", "O1"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="steps per epoch")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    results = {config: {"epoch": [], "first_step": [], "first_epoch": []} for config in args.configs}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    for round_index in range(args.rounds):
+        for config in args.configs:
+            command = [sys.executable, __file__, "--worker", config, "--model", args.model,
+                       "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+            line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if done.returncode != 0 or line is None:
+                sys.exit(f"{config} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+            result = json.loads(line[len("RESULT "):])
+            results[config]["epoch"].append(statistics.median(result["epochs"][1:]))
+            results[config]["first_step"].append(result["first_step"])
+            results[config]["first_epoch"].append(result["epochs"][0])
+            print(f"round {round_index + 1} {config}: epochs {[round(e, 2) for e in result['epochs']]} "
+                  f"first step {result['first_step']:.2f} s", flush=True)
+    reference = args.configs[0]
+    ref_epoch = statistics.median(results[reference]["epoch"])
+    ref_first = statistics.median(results[reference]["first_step"])
+    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
+          f"{args.rounds} rounds (one process each, taking turns); ratios against {reference}")
+    print("| configuration | epoch after the first (median, range) | speed vs " + reference
+          + " | first step | first step / " + reference + " | first epoch |")
+    print("|---|---|---|---|---|---|")
+    for config, values in results.items():
+        epoch, first = statistics.median(values["epoch"]), statistics.median(values["first_step"])
+        print(f"| {config} | {epoch:.2f} s ({spread(values['epoch'])}) | {ref_epoch / epoch:.2f}x | "
+              f"{first:.1f} s | {first / ref_first:.2f}x | {statistics.median(values['first_epoch']):.1f} s |")
+
+
+if __name__ == "__main__":
+    main()
