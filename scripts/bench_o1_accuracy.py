@@ -5,6 +5,7 @@ swapped for BoostModel(..., boost_level=level) and nothing else changed:
   demo       the demo ResNet (BatchNorms, logits head), SGD(0.05, momentum 0.9)
   convnet    keras-io mnist_convnet (no BatchNorm, Dense(10, softmax) head, Dropout), Adam(1e-3)
   mobilenet  keras.applications.MobileNetV2(alpha=0.35, weights=None, softmax head) on 32x32x3, Adam(1e-3)
+  resnet50   keras.applications.ResNet50(weights=None, softmax head) on 32x32x3, Adam(1e-3)
 Variants: O0, O1, and diagnostics O1-fn-off (O1 without the FN head), O1-freeze-off, O1-gc-off,
 O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
 Prints one JSON line per run: family, variant, seed, test accuracy, seconds.
@@ -53,12 +54,17 @@ def mobilenet():
     return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
 
 
+def resnet50():
+    return keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10)
+
+
 FAMILIES = {
     # name: (builder, optimizer, from_logits, rgb input)
     "demo": (lambda: demo_resnet(model_class=keras.Model), lambda: keras.optimizers.SGD(0.05, momentum=0.9), True,
              False),
     "convnet": (convnet, lambda: keras.optimizers.Adam(1e-3), False, False),
     "mobilenet": (mobilenet, lambda: keras.optimizers.Adam(1e-3), False, True),
+    "resnet50": (resnet50, lambda: keras.optimizers.Adam(1e-3), False, True),
 }
 
 
