@@ -444,3 +444,20 @@ def test_freeze_opt_bad_arguments():
         FreezeOpt("sgd", groups)
     with pytest.raises(ValueError, match=r"Every element of `train_strategy` must be an int, got 0.5 \(float\)"):
         FreezeOpt(optimizer, groups, [0.5, 1])
+
+
+@pytest.mark.parametrize("mode", ["run_eagerly", "jit_compile"])
+def test_per_group_functions_run_eagerly_and_under_xla(mode):
+    results = {}
+    for current in ("graph", mode):
+        model = deep_mlp()
+        optimizer = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=optimizer, loss=LOSS, **({current: True} if current != "graph" else {}),
+                      gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [0, 2, 1]))
+        x, y = classification_data(n=16 * 4, seed=5)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        assert type(model.train_function).__name__ == "BranchTrainFunction"
+        assert history.history["freeze_group"] == [0.0, 2.0]  # steps 3 and 7 train groups 0 and 2
+        results[current] = weights(model)
+    for a, b in zip(results["graph"], results[mode]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 if mode == "jit_compile" else 0)
