@@ -13,10 +13,14 @@ against the first configuration given.
 Configurations (`--configs`):
     keras        plain keras.Model (the reference without keras_boost)
     O0, O1, O2   BoostModel(boost_level=...) with the level's defaults
+    O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     lessbn       O1 with LessBN and the FN head only (no GC, no freezing)
     lessbn-gc    O1 with LessBN, FN head and GC (no freezing)
     freeze       gradient freezing only (MindSpore's defaults: 10 groups, freeze_p 0.7)
     freeze-p1    gradient freezing with freeze_p=1.0 (every step trains every variable)
+    group-K      BoostModel whose every step trains freeze group K of 10 (FreezeOpt, sequence [K])
+    hand-K       the reference for group-K: a keras.Model whose hand-written train_step takes
+                 the gradients of group K's variables only and applies them (no keras_boost)
 """
 
 import argparse
@@ -34,6 +38,7 @@ CONFIGS = {
     "O0": ("O0", None),
     "O1": ("O1", None),
     "O2": ("O2", None),
+    "O0-noguard": ("O0", None),
     "lessbn": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": False}}),
     "lessbn-gc": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": True}}),
     "freeze": ("O1", {"boost": {"mode": "manual", "less_bn": False, "grad_freeze": True}}),
@@ -54,21 +59,67 @@ def application(family, input_shape=(32, 32, 3), classes=10):
     return constructors[family](weights=None, input_shape=input_shape, classes=classes)
 
 
+def _group_config(config):
+    kind, _, group = config.partition("-")
+    if kind in ("group", "hand") and group.isdigit() and int(group) < 10:
+        return kind, int(group)
+    return None
+
+
+def config_name(text):
+    if text in CONFIGS or _group_config(text):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown configuration {text!r}: one of {sorted(CONFIGS)}, group-K or hand-K "
+                                     "(K in 0..9)")
+
+
+def hand_written_group_model(base, variables):
+    """A keras.Model whose train_step takes the gradients of `variables` only (Keras' own pattern)."""
+    import keras
+    import tensorflow as tf
+
+    class GroupStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch([v.value for v in variables])
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, [v.value for v in variables])
+            self.optimizer.apply(grads, variables)
+            return self.compute_metrics(x, y, y_pred)
+
+    return GroupStep(base.inputs, base.outputs)
+
+
 def build(family, config, seed=0):
     """The model of `config` on `family`, compiled as the benchmark trains it."""
     import keras
 
-    from keras_boost import BoostModel
+    from keras_boost import BoostModel, FreezeOpt, split_parameters_groups
 
     keras.utils.set_random_seed(seed)
     base = application(family)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    grouped = _group_config(config)
+    if grouped:
+        kind, group = grouped
+        groups = split_parameters_groups(base, 10)
+        if kind == "hand":
+            model = hand_written_group_model(base, groups[group])
+            model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
+        else:
+            model = BoostModel(base.inputs, base.outputs)  # the same layers, so the same variables
+            model.compile(optimizer=FreezeOpt(optimizer, groups, [group]), loss=loss, metrics=["accuracy"])
+        return model
     level, boost_config = CONFIGS[config]
     if level == "keras":
         model = keras.Model(base.inputs, base.outputs)
     else:
         model = BoostModel(base.inputs, base.outputs, boost_level=level, boost_config=boost_config)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+    extra = {"nan_guard": False} if config == "O0-noguard" else {}
+    model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"], **extra)
     return model
 
 
@@ -112,13 +163,13 @@ def spread(values):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=FAMILIES, default="resnet50")
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["keras", "O0", "O1"])
+    parser.add_argument("--configs", nargs="+", type=config_name, default=["keras", "O0", "O1"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
-    parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=config_name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
