@@ -178,3 +178,19 @@ def test_logs_carry_overflow_and_scale():
     assert history.history["loss_scale"] == [8.0, 8.0]
     assert history.history["overflow"] == [0, 0]
     assert isinstance(model, BoostModel)
+
+
+def test_all_finite_sees_every_non_finite_entry_and_no_false_alarm():
+    from keras_boost.stages.loss_scale import all_finite
+
+    big = tf.fill([100], 3e36)  # each sums to 3e38 (finite); a float32 sum over both tensors would overflow
+    assert bool(all_finite([big, big, None, tf.constant([[1.0, 2.0]], tf.float64)]))
+    for bad in (np.nan, np.inf, -np.inf):
+        values = np.ones((64, 33), np.float32)
+        values[17, 5] = bad
+        assert not bool(all_finite([tf.ones([3]), tf.constant(values)]))
+    # +inf in one gradient and -inf in another must not cancel; float16 is checked entry by entry
+    assert not bool(all_finite([tf.constant([np.inf], tf.float32), tf.constant([-np.inf], tf.float32)]))
+    assert bool(all_finite([tf.fill([100], tf.constant(60000.0, tf.float16))]))
+    assert not bool(all_finite([tf.constant([1.0, np.nan], tf.float16)]))
+    assert bool(all_finite([]))
