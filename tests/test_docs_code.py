@@ -31,6 +31,23 @@ def _blocks():
     return found
 
 
+@pytest.fixture
+def small_fashion_mnist(monkeypatch):
+    from keras_boost.app import data
+
+    real = data.load_fashion_mnist
+
+    def first_512(split="train", directory=None):
+        x, y = real(split, directory)
+        return x[:512], y[:512]
+
+    monkeypatch.setattr(data, "load_fashion_mnist", first_512)
+
+
+def test_the_pages_have_code():
+    assert len(_blocks()) >= 10
+
+
 _LEFT = {}  # the block that ran last in this session: its id -> (namespace, folder)
 
 
