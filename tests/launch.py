@@ -1,4 +1,9 @@
-"""Launches real multi-process runs under horovodrun (Gloo or MPI) with a hard timeout."""
+"""Launches real multi-process runs under horovodrun (Gloo or MPI) with a hard timeout.
+
+horovodrun is started as `python tests/horovodrun_main.py ...`: Horovod's own
+`run_commandline()`, with its "built with Gloo / MPI?" check answered from one check per
+test session instead of a TensorFlow import per launch (see that file).
+"""
 
 import json
 import os
@@ -18,6 +23,25 @@ def _device_env(gpus):
     return {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
 
 
+_BUILT = {}
+
+
+def horovod_build_env():
+    """KB_HOROVOD_GLOO_BUILT / KB_HOROVOD_MPI_BUILT for tests/horovodrun_main.py: Horovod's answers
+    (`horovod.tensorflow.gloo_built()` / `mpi_built()`, which horovodrun's check calls), once per session."""
+    if not _BUILT:
+        import horovod.tensorflow as hvd
+
+        _BUILT.update(KB_HOROVOD_GLOO_BUILT=str(int(bool(hvd.gloo_built()))),
+                      KB_HOROVOD_MPI_BUILT=str(int(bool(hvd.mpi_built()))))
+    return dict(_BUILT)
+
+
+def horovodrun_command():
+    """The start of a horovodrun command line (its entry point; needs `horovod_build_env()` in the environment)."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "horovodrun_main.py")]
+
+
 def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False):
     """Runs `tests/workers/<script>` on `np` local processes; returns the CompletedProcess.
 
@@ -27,8 +51,7 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, 
     """
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
-    horovodrun_bin = str(Path(sys.executable).parent / "horovodrun")
-    cmd = [horovodrun_bin, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
+    cmd = [*horovodrun_command(), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
            "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
     return _launch(cmd, timeout, env, gpus)
 
@@ -73,7 +96,8 @@ def _launch(cmd, timeout, env, gpus):
                      "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
                      "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
                      # idle MPI ranks yield the core instead of spinning (2 cores, up to 4 ranks)
-                     "OMPI_MCA_mpi_yield_when_idle": "1"})
+                     "OMPI_MCA_mpi_yield_when_idle": "1",
+                     **horovod_build_env()})
     full_env.update(_device_env(gpus))
     full_env.update(env or {})
     result_dir = tempfile.mkdtemp(prefix="kb_results_")
@@ -88,6 +112,9 @@ def _launch(cmd, timeout, env, gpus):
         expired = subprocess.TimeoutExpired(cmd, timeout, output=out)
         expired.result_dir = result_dir  # what the workers recorded before the timeout
         raise expired
+    except BaseException:  # e.g. pytest-timeout's own limit, or Ctrl-C: no worker may outlive the test
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     completed.result_dir = result_dir
     return completed
@@ -145,8 +172,11 @@ def _run_shared(launch):
     scenarios = [[name, module, [a.replace("{tmp}", work) if isinstance(a, str) else a for a in args]]
                  for name, module, args in spec["scenarios"]]
     try:
+        # a scenario that hangs in fit ends the launch after 120 s (keras_boost's stall timeout)
+        # instead of at the launch's timeout; every scenario takes well under a minute
         completed = horovodrun("scenarios.py", np=spec["np"], controller=spec["controller"],
-                               args=[json.dumps(scenarios)], timeout=spec["timeout"])
+                               args=[json.dumps(scenarios)], timeout=spec["timeout"],
+                               env={"KERAS_BOOST_STALL_TIMEOUT": "120"})
     except subprocess.TimeoutExpired as expired:
         completed = subprocess.CompletedProcess(expired.cmd, f"killed after the {spec['timeout']} s timeout",
                                                 expired.output, None)
