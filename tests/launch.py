@@ -113,7 +113,10 @@ def _launch(cmd, timeout, env, gpus):
         expired.result_dir = result_dir  # what the workers recorded before the timeout
         raise expired
     except BaseException:  # e.g. pytest-timeout's own limit, or Ctrl-C: no worker may outlive the test
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         raise
     completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     completed.result_dir = result_dir
