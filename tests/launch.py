@@ -1,4 +1,9 @@
-"""Launches real multi-process runs under horovodrun (Gloo or MPI) with a hard timeout."""
+"""Launches real multi-process runs under horovodrun (Gloo or MPI) with a hard timeout.
+
+horovodrun is started as `python tests/horovodrun_main.py ...`: Horovod's own
+`run_commandline()`, with its "built with Gloo / MPI?" check answered from one check per
+test session instead of a TensorFlow import per launch (see that file).
+"""
 
 import json
 import os
@@ -18,6 +23,25 @@ def _device_env(gpus):
     return {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
 
 
+_BUILT = {}
+
+
+def horovod_build_env():
+    """KB_HOROVOD_GLOO_BUILT / KB_HOROVOD_MPI_BUILT for tests/horovodrun_main.py: Horovod's answers
+    (`horovod.tensorflow.gloo_built()` / `mpi_built()`, which horovodrun's check calls), once per session."""
+    if not _BUILT:
+        import horovod.tensorflow as hvd
+
+        _BUILT.update(KB_HOROVOD_GLOO_BUILT=str(int(bool(hvd.gloo_built()))),
+                      KB_HOROVOD_MPI_BUILT=str(int(bool(hvd.mpi_built()))))
+    return dict(_BUILT)
+
+
+def horovodrun_command():
+    """The start of a horovodrun command line (its entry point; needs `horovod_build_env()` in the environment)."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "horovodrun_main.py")]
+
+
 def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False):
     """Runs `tests/workers/<script>` on `np` local processes; returns the CompletedProcess.
 
@@ -27,8 +51,7 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, 
     """
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
-    horovodrun_bin = str(Path(sys.executable).parent / "horovodrun")
-    cmd = [horovodrun_bin, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
+    cmd = [*horovodrun_command(), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
            "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
     return _launch(cmd, timeout, env, gpus)
 
@@ -37,6 +60,8 @@ def results(completed):
     """The JSON objects the workers recorded with `report()`, keyed by rank."""
     found = {}
     for name in sorted(os.listdir(completed.result_dir)):
+        if not (name.startswith("rank") and name.endswith(".json")):
+            continue  # a file being written (`common.write_result` writes a .tmp and renames it)
         with open(os.path.join(completed.result_dir, name)) as handle:
             data = json.load(handle)
         found[data["rank"]] = data
@@ -71,7 +96,8 @@ def _launch(cmd, timeout, env, gpus):
                      "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
                      "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
                      # idle MPI ranks yield the core instead of spinning (2 cores, up to 4 ranks)
-                     "OMPI_MCA_mpi_yield_when_idle": "1"})
+                     "OMPI_MCA_mpi_yield_when_idle": "1",
+                     **horovod_build_env()})
     full_env.update(_device_env(gpus))
     full_env.update(env or {})
     result_dir = tempfile.mkdtemp(prefix="kb_results_")
@@ -83,7 +109,109 @@ def _launch(cmd, timeout, env, gpus):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out)
+        expired = subprocess.TimeoutExpired(cmd, timeout, output=out)
+        expired.result_dir = result_dir  # what the workers recorded before the timeout
+        raise expired
+    except BaseException:  # e.g. pytest-timeout's own limit, or Ctrl-C: no worker may outlive the test
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        raise
     completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     completed.result_dir = result_dir
     return completed
+
+
+# ------------------------------------------------------------------ shared launches
+# Starting Horovod costs more than most checks (horovodrun and every worker import
+# TensorFlow: 10-35 s on 2 shared cores). The checks that need the same launch (controller,
+# number of workers) and end normally run as scenarios of one launch each
+# (tests/workers/scenarios.py), started once per test session by the first test that needs
+# it; each test asserts on its own scenario's results. The failure and hang tests (a worker
+# that raises, is killed or stalls) end their job, so they keep launches of their own.
+# Order matters: mindspore_config compiles before Horovod is initialised, so it comes first;
+# dropin_rank0 ends with rank 0 evaluating alone after the other workers exit, so it comes
+# last; the checks that hang when their feature breaks (uneven data, mismatched workers)
+# come late, so that a hang costs the other scenarios nothing.
+SHARED = {
+    "gloo": dict(np=2, controller="gloo", timeout=540, scenarios=[
+        ("mindspore_config", "mindspore_config", []),
+        ("train_equivalence", "train_equivalence", []),
+        ("overflow_on_one_rank", "overflow_on_one_rank", []),
+        ("accumulation_equivalence", "accumulation_equivalence", []),
+        ("freeze_training", "freeze_training", []),
+        ("dropin_custom_step", "dropin", ["custom_step"]),
+        ("dropin_jit", "dropin", ["jit"]),
+        ("resume", "resume", ["{tmp}"]),
+        ("adasum_training_1", "adasum_training", [1]),
+        ("adasum_combine", "adasum_combine", [12]),
+        ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
+        ("mismatch", "mismatch", []),
+        ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
+    ]),
+    "mpi": dict(np=2, controller="mpi", timeout=480, scenarios=[
+        ("train_equivalence", "train_equivalence", []),
+        ("overflow_on_one_rank", "overflow_on_one_rank", []),
+        ("accumulation_equivalence", "accumulation_equivalence", []),
+        ("freeze_training", "freeze_training", []),
+        ("dropin_custom_step", "dropin", ["custom_step"]),
+        ("adasum_combine", "adasum_combine", [2]),
+        ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
+        ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
+    ]),
+    "mpi4": dict(np=4, controller="mpi", timeout=420, scenarios=[
+        ("adasum_combine", "adasum_combine", [4]),
+        ("adasum_training_1", "adasum_training", [1]),
+        ("adasum_training_2", "adasum_training", [2]),
+    ]),
+}
+_SHARED_RUNS = {}
+
+
+def _run_shared(launch):
+    spec = SHARED[launch]
+    work = tempfile.mkdtemp(prefix=f"kb_shared_{launch}_")
+    scenarios = [[name, module, [a.replace("{tmp}", work) if isinstance(a, str) else a for a in args]]
+                 for name, module, args in spec["scenarios"]]
+    try:
+        # a scenario that hangs in fit ends the launch after 120 s (keras_boost's stall timeout)
+        # instead of at the launch's timeout; every scenario takes well under a minute
+        completed = horovodrun("scenarios.py", np=spec["np"], controller=spec["controller"],
+                               args=[json.dumps(scenarios)], timeout=spec["timeout"],
+                               env={"KERAS_BOOST_STALL_TIMEOUT": "120"})
+    except subprocess.TimeoutExpired as expired:
+        completed = subprocess.CompletedProcess(expired.cmd, f"killed after the {spec['timeout']} s timeout",
+                                                expired.output, None)
+        completed.result_dir = expired.result_dir
+    completed.work_dir = work
+    return completed, {rank: data for rank, data in results(completed).items()}
+
+
+def shared(launch, scenario):
+    """{rank: values} of `scenario` in the shared launch `launch` (a key of SHARED).
+
+    The launch runs once per test session, when a test first asks for it. Asserts that
+    the scenario finished without an error on every rank, and that the launch exited
+    cleanly when every scenario did. The values include "scenario_seconds" (its wall time
+    on that rank); `shared_dir(launch)` is the folder the launch's scenarios wrote to.
+    """
+    if launch not in _SHARED_RUNS:
+        _SHARED_RUNS[launch] = _run_shared(launch)
+    completed, found = _SHARED_RUNS[launch]
+    ranks = range(SHARED[launch]["np"])
+    tail = f"(shared launch {launch!r}, exit {completed.returncode}):\n{completed.stdout[-6000:]}"
+    missing = [rank for rank in ranks if scenario not in found.get(rank, {})]
+    assert not missing, f"scenario {scenario!r} did not finish on rank(s) {missing} {tail}"
+    errors = {rank: found[rank][scenario]["error"] for rank in ranks if "error" in found[rank][scenario]}
+    assert not errors, f"scenario {scenario!r} raised: {errors} {tail}"
+    everything_ran = all(name in found.get(rank, {}) and "error" not in found[rank][name]
+                         for rank in ranks for name, _, _ in SHARED[launch]["scenarios"])
+    if everything_ran:  # otherwise the failure is the failing scenario's test's
+        assert completed.returncode == 0, f"every scenario finished, but the launch did not exit cleanly {tail}"
+    return {rank: found[rank][scenario] for rank in ranks}
+
+
+def shared_dir(launch):
+    """The folder the scenarios of `launch` got as "{tmp}" (after `shared(launch, ...)`)."""
+    return _SHARED_RUNS[launch][0].work_dir

@@ -1,15 +1,16 @@
-"""Gradient accumulation on 2 real Horovod workers (Gloo and MPI), launched with horovodrun."""
+"""Gradient accumulation on 2 real Horovod workers (Gloo and MPI), launched with horovodrun
+(a scenario of the shared launch of each controller, `tests.launch.shared`)."""
 
 import pytest
 
-from tests.launch import run_ok
+from tests.launch import shared
 
 CONTROLLERS = ["gloo", "mpi"]
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_two_workers_accumulating_equal_one_process(controller):
-    found = run_ok("accumulation_equivalence.py", np=2, controller=controller, timeout=150)
+    found = shared(controller, "accumulation_equivalence")
     assert found[0]["size"] == 2
 
     # N=2 x 16 per worker on 2 workers == batch 64 in one process; 256 samples x 2 epochs

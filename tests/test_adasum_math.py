@@ -134,11 +134,10 @@ def _identical(results, key):
 @pytest.mark.parametrize("np_", [2, 4])
 def test_mpi_native_equals_exact_equals_numpy(np_):
     _horovod("mpi")
-    from tests.launch import run_ok
+    from tests.launch import shared
 
-    # Idle MPI ranks yield the core: 4 spinning ranks on 2 cores take minutes otherwise.
-    results = run_ok("adasum_combine.py", np=np_, controller="mpi", args=[np_], timeout=120,
-                     env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+    # a scenario of the shared MPI launch of np_ workers (the 4-worker one also trains AdaSum)
+    results = shared({2: "mpi", 4: "mpi4"}[np_], "adasum_combine")
     for result in results.values():
         assert result["auto_backend"] == "native"
         assert result["eager_equals_graph"] and result["dtypes_kept"]
@@ -150,9 +149,12 @@ def test_mpi_native_equals_exact_equals_numpy(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_gloo_exact_equals_numpy_and_is_identical(np_):
     _horovod("gloo")
-    from tests.launch import run_ok
+    from tests.launch import run_ok, shared
 
-    results = run_ok("adasum_combine.py", np=np_, controller="gloo", args=[10 + np_], timeout=120)
+    if np_ == 2:  # a scenario of the shared Gloo launch
+        results = shared("gloo", "adasum_combine")
+    else:
+        results = run_ok("adasum_combine.py", np=np_, controller="gloo", args=[10 + np_], timeout=120)
     for result in results.values():
         assert result["controller"] == "gloo" and result["auto_backend"] == "exact"
         assert result["eager_equals_graph"] and result["dtypes_kept"]

@@ -84,10 +84,21 @@ def test_bench_writes_table_and_plot(tmp_path):
     (["bench", "--levels", "O5"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_bad_arguments(args, message):
-    result = keras_boost(*args, timeout=60)
+def test_bad_arguments(args, message, capsys):
+    # in this process: `python -m keras_boost.app.cli` is `sys.exit(main())`, and each command
+    # process would spend its 6-7 s importing TensorFlow before argparse says no
+    from keras_boost.app import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(args)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_argument_exits_2_from_the_command():
+    result = keras_boost("train", "--epochs", "0", timeout=60)
     assert result.returncode == 2
-    assert message in result.stderr
+    assert "expected a positive integer, got 0" in result.stderr
 
 
 def test_bad_config_file(tmp_path):

@@ -3,7 +3,9 @@
 Each block runs in a fresh namespace, in its own subprocess-free sandbox: the working
 directory is a temporary folder and Fashion-MNIST is cut to its first 512 samples so that
 the examples' `fit` calls finish in seconds. A block that needs earlier lines of the same
-page says so with `# continues` on its first line and runs after them.
+page says so with `# continues` on its first line and runs after them: in what the block
+before it left (its namespace and folder) when that one ran in this session, else after
+the whole chain of blocks it continues, run again.
 """
 
 import pathlib
@@ -25,7 +27,7 @@ def _blocks():
         for index, match in enumerate(BLOCK.finditer(page.read_text())):
             code = match.group(1)
             chain = chain + "\n" + code if code.startswith("# continues") else code
-            found.append(pytest.param(chain, id=f"{page.name}#{index}"))
+            found.append(pytest.param(f"{page.name}#{index}", code, chain, id=f"{page.name}#{index}"))
     return found
 
 
@@ -46,9 +48,19 @@ def test_the_pages_have_code():
     assert len(_blocks()) >= 10
 
 
-@pytest.mark.parametrize("code", _blocks())
-def test_block_runs(code, small_fashion_mnist, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+_LEFT = {}  # the block that ran last in this session: its id -> (namespace, folder)
+
+
+@pytest.mark.parametrize("block, code, chain", _blocks())
+def test_block_runs(block, code, chain, small_fashion_mnist, tmp_path, monkeypatch):
+    page, index = block.rsplit("#", 1)
+    before = _LEFT.pop(f"{page}#{int(index) - 1}", None)
+    _LEFT.clear()
     keras.utils.set_random_seed(0)
-    namespace = {"__name__": "__docs__", "np": np}
+    if code.startswith("# continues") and before is not None:  # go on from the block above
+        namespace, folder = before
+    else:
+        namespace, code, folder = {"__name__": "__docs__", "np": np}, chain, str(tmp_path)
+    monkeypatch.chdir(folder)
     exec(compile(code, "<docs>", "exec"), namespace)  # noqa: S102 - the docs' own examples
+    _LEFT[block] = (namespace, folder)

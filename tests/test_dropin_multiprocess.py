@@ -1,13 +1,18 @@
-"""BoostModel as a drop-in on 2 Horovod workers (issue 14): real processes under horovodrun."""
+"""BoostModel as a drop-in on 2 Horovod workers (issue 14): real processes under horovodrun.
+
+Each check is a scenario of the shared launch of its controller (`tests.launch.shared`);
+the rank-0-only one is the last scenario of its launch (the other workers exit meanwhile).
+"""
 
 import os
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
-from tests.launch import run_ok
+from tests.launch import shared, shared_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import dropin as worker  # noqa: E402
@@ -39,7 +44,7 @@ def _global_batch_reference(epochs=2):
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_custom_train_step_on_two_workers_equals_one_process_with_the_global_batch(controller):
-    found = run_ok("dropin.py", np=2, controller=controller, args=["custom_step"], timeout=240)
+    found = shared(controller, "dropin_custom_step")
     _assert_identical_across_ranks(found)
     reference = _global_batch_reference()
     for got, want in zip(found[0]["weights"], reference):
@@ -48,7 +53,7 @@ def test_custom_train_step_on_two_workers_equals_one_process_with_the_global_bat
 
 
 def test_jit_compile_true_on_two_workers_trains_without_xla_and_warns_once():
-    found = run_ok("dropin.py", np=2, args=["jit"], timeout=240)
+    found = shared("gloo", "dropin_jit")
     _assert_identical_across_ranks(found)
     for rank in (0, 1):
         assert len(found[rank]["jit_warnings"]) == 1, found[rank]["jit_warnings"]
@@ -58,8 +63,9 @@ def test_jit_compile_true_on_two_workers_trains_without_xla_and_warns_once():
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_rank_zero_only_evaluate_predict_and_save(tmp_path, controller):
-    found = run_ok("dropin.py", np=2, controller=controller, args=["rank0", str(tmp_path)], timeout=240)
+def test_rank_zero_only_evaluate_predict_and_save(controller):
+    found = shared(controller, "dropin_rank0")
+    tmp_path = Path(shared_dir(controller))  # where rank 0 saved
     zero, one = found[0], found[1]
     # evaluate on all ranks averages
     mean = (zero["all_local_loss"] + one["all_local_loss"]) / 2

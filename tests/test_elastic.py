@@ -23,7 +23,7 @@ import pytest
 
 from keras_boost import BoostModel, elastic
 from tests.helpers import classification_data, compile_sgd, mlp
-from tests.launch import ROOT, WORKERS, results
+from tests.launch import ROOT, WORKERS, horovod_build_env, horovodrun_command, results
 
 DISCOVERY = WORKERS / "elastic_discover.sh"
 
@@ -173,7 +173,7 @@ def test_only_horovod_failures_are_restored():
 
 # -------------------------------------------------------------- elastic run
 def _horovodrun_elastic(env, timeout):
-    cmd = [str(os.path.join(os.path.dirname(sys.executable), "horovodrun")), "-np", "2", "--min-np", "1",
+    cmd = [*horovodrun_command(), "-np", "2", "--min-np", "1",
            "--max-np", "2", "--host-discovery-script", f"sh {DISCOVERY}", "--blacklist-cooldown-range", "1", "2",
            "--gloo", "--start-timeout", "60", "--elastic-timeout", "60",
            sys.executable, str(WORKERS / "elastic_train.py")]
@@ -183,7 +183,8 @@ def _horovodrun_elastic(env, timeout):
                      "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60",
                      # a joining worker imports TensorFlow before it reaches the rendezvous: more
                      # than Gloo's default 30 s on a loaded 2-core machine (seen: both runs aborted)
-                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
+                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",
+                     **horovod_build_env()})
     full_env.update(env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True)

@@ -1,13 +1,14 @@
-"""Gradient freeze on 2 real Horovod workers (Gloo and MPI), launched with horovodrun."""
+"""Gradient freeze on 2 real Horovod workers (Gloo and MPI), launched with horovodrun
+(a scenario of the shared launch of each controller, `tests.launch.shared`)."""
 
 import pytest
 
-from tests.launch import run_ok
+from tests.launch import shared
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_freeze_training_agrees_across_workers(controller):
-    found = run_ok("freeze_training.py", np=2, controller=controller, timeout=120)
+    found = shared(controller, "freeze_training")
     first, second = found[0], found[1]
     # the same schedule on every rank: GradientFreeze's seeded sequence, step by step
     assert first["groups"] == second["groups"] == first["expected"] == second["expected"]

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import keras_boost as kb
 from tests.helpers import max_diff, weights
-from tests.launch import run_ok
+from tests.launch import shared
 from tests.test_mindspore_api import classifier, data, momentum
 
 # MindSpore's documented boost_config_dict: every section, dim_reduce with the feature off.
@@ -73,7 +73,7 @@ def _io():
 
 
 def test_mindspore_config_on_two_workers():
-    results = run_ok("mindspore_config.py", np=2, controller="gloo", timeout=420)
+    results = shared("gloo", "mindspore_config")  # the first scenario of the shared Gloo launch
     for rank in (0, 1):
         result = results[rank]
         assert result["explicit_error"].startswith("AdaSum's device_number (8) must divide the number of workers (2)")

@@ -1,18 +1,22 @@
-"""BoostModel on 2 real Horovod workers (Gloo and MPI), launched with horovodrun."""
+"""BoostModel on 2 real Horovod workers (Gloo and MPI), launched with horovodrun.
+
+The equivalence and overflow checks are scenarios of the shared launch of their controller
+(`tests.launch.shared`); the failing and killed workers end their job, so each has its own.
+"""
 
 import re
 import time
 
 import pytest
 
-from tests.launch import horovodrun, results, run_ok
+from tests.launch import horovodrun, results, shared
 
 CONTROLLERS = ["gloo", "mpi"]
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_two_workers_equal_one_process_with_twice_the_batch(controller):
-    found = run_ok("train_equivalence.py", np=2, controller=controller)
+    found = shared(controller, "train_equivalence")
     for rank in (0, 1):
         assert found[rank]["diff"] < 1e-5, found[rank]
     assert found[0]["digest"] == found[1]["digest"]  # bit-identical weights on every rank
@@ -50,7 +54,7 @@ def test_a_failing_worker_ends_the_run(controller):
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_overflow_on_one_worker_is_an_overflow_on_all(controller):
-    found = run_ok("overflow_on_one_rank.py", np=2, controller=controller)
+    found = shared(controller, "overflow_on_one_rank")
     for rank in (0, 1):
         # step 2 of the loop is rank 1's poisoned batch (its third batch)
         assert found[rank]["overflows"] == [0, 1, 0, 0, 0, 0, 0], found[rank]

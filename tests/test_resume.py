@@ -45,10 +45,10 @@ def test_a_crash_while_writing_leaves_the_previous_backup(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("controller", ["gloo"])
-def test_resume_on_two_workers(controller, tmp_path):
-    from tests.launch import run_ok
+def test_resume_on_two_workers(controller):
+    from tests.launch import shared
 
-    found = run_ok("resume.py", np=2, controller=controller, args=[str(tmp_path)])
+    found = shared(controller, "resume")  # a scenario of the shared Gloo launch
     for rank in (0, 1):
         assert found[rank]["checkpoint"] and found[rank]["backup"], found[rank]
     assert found[0]["digest"] == found[1]["digest"]

@@ -111,7 +111,7 @@ def phase_overflow(rank, size):
                 accumulators_finite=bool(all(np.isfinite(np.array(a)).all() for a in stage.accumulators)))
 
 
-def main():
+def run():
     distributed.init()
     rank, size = distributed.rank(), distributed.size()
     results, seconds = {}, {}
@@ -119,7 +119,12 @@ def main():
         start = time.monotonic()
         results[name] = phase(rank, size)
         seconds[name] = round(time.monotonic() - start, 2)
-    report(rank, size=size, seconds=seconds, **results)
+    return dict(size=size, seconds=seconds, **results)
+
+
+def main():
+    values = run()
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

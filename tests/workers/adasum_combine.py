@@ -70,10 +70,7 @@ def digest(results):
     return hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in results)).hexdigest()
 
 
-def main():
-    # One write per result line: mpirun interleaves a line written in two pieces.
-    sys.stdout.reconfigure(write_through=False, line_buffering=True)
-    seed = int(sys.argv[1])
+def run(seed):
     distributed.init()
     rank, size = distributed.rank(), distributed.size()
     tensors = [tf.constant(value) for value in draw(seed, rank)]
@@ -102,7 +99,14 @@ def main():
                 [np.ravel(n) == np.ravel(e) for n, e in zip(native, exact)]))),
             native_hash=digest(native),
         )
-    report(rank, **values)
+    return values
+
+
+def main():
+    # One write per result line: mpirun interleaves a line written in two pieces.
+    sys.stdout.reconfigure(write_through=False, line_buffering=True)
+    values = run(int(sys.argv[1]))
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

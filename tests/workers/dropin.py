@@ -67,8 +67,8 @@ def local_loss(model, x, y):
     return float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x)))
 
 
-def main():
-    mode = sys.argv[1]
+def run(mode, directory=None):
+    """One mode (see the module docstring); returns this rank's values."""
     distributed.init()
     rank, size = distributed.rank(), distributed.size()
     x, y = data()
@@ -78,9 +78,9 @@ def main():
     if mode == "custom_step":
         model = compile_sgd(mlp(CustomStep, seed=rank))  # different starts: the broadcast must fix them
         history = model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
-        report(rank, weights=flat(model), loss=history.history["loss"])
+        return dict(weights=flat(model), loss=history.history["loss"])
 
-    elif mode == "jit":
+    if mode == "jit":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = compile_sgd(mlp(BoostModel, seed=rank), jit_compile=True, loss_scale="dynamic",
@@ -88,15 +88,14 @@ def main():
             model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
             loss = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]
         jit_warnings = [str(w.message) for w in caught if "jit_compile" in str(w.message)]
-        report(rank, weights=flat(model), jit_warnings=jit_warnings, loss=loss, jit_compile=bool(model.jit_compile))
+        return dict(weights=flat(model), jit_warnings=jit_warnings, loss=loss, jit_compile=bool(model.jit_compile))
 
-    elif mode == "rank0":
-        directory = sys.argv[2]
+    if mode == "rank0":
         model = compile_sgd(mlp(BoostModel), loss_scale="dynamic", metrics=["accuracy"])
         model.fit(xs, ys, batch_size=BATCH, epochs=1, verbose=0)
         values = {"all_evaluate": model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"],
                   "all_local_loss": local_loss(model, xs, ys)}
-        if rank == 0:  # the Horovod idiom, at the end of the script: the other ranks exit meanwhile
+        if rank == 0:  # the Horovod idiom, at the end of the script: the other ranks go on meanwhile
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 values["rank0_evaluate"] = model.evaluate(xs, ys, batch_size=BATCH, verbose=0,
@@ -106,10 +105,14 @@ def main():
             values["rank0_predict"] = model.predict(xs[:4], verbose=0).tolist()
             model.save(f"{directory}/model.keras")
             model.save_weights(f"{directory}/model.weights.h5")
-        report(rank, weights=flat(model), **values)
+        return dict(weights=flat(model), **values)
 
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def main():
+    values = run(*sys.argv[1:])
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,10 @@ class GroupRecorder(keras.callbacks.Callback):
                                       and not np.array_equal(self.before[i][1], after[i][1]) for i in in_group))
 
 
-def main():
+def run():
     distributed.init()
     rank, size = distributed.rank(), distributed.size()
+    collectives_before = distributed.allreduce_count()  # 0 when this is the first scenario of the process
     x, y = synthetic(BATCH * STEPS_PER_EPOCH * size, shape=(12, 12, 1), classes=4, seed=0)
     xs, ys = shard((x, y), rank, size)
     total_steps = EPOCHS * STEPS_PER_EPOCH
@@ -81,13 +82,19 @@ def main():
     history = model.fit(xs, ys, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[recorder])
     after = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]
     trainable = [np.array(w) for w in model.trainable_weights]
-    report(rank, groups=recorder.groups, expected=freeze.generate_freeze_index_sequence()[:total_steps].tolist(),
-           digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
-           before=float(before), after=float(after), history=[float(v) for v in history.history["loss"]],
-           iterations=int(model.optimizer.iterations.numpy()), collectives=distributed.allreduce_count(),
-           frozen_untouched=recorder.frozen_untouched, trained_moved=recorder.trained_moved,
-           frozen_counts=recorder.frozen_counts,
-           finite=bool(all(np.isfinite(w).all() for w in trainable)))
+    return dict(groups=recorder.groups, expected=freeze.generate_freeze_index_sequence()[:total_steps].tolist(),
+                digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
+                before=float(before), after=float(after), history=[float(v) for v in history.history["loss"]],
+                iterations=int(model.optimizer.iterations.numpy()),
+                collectives=distributed.allreduce_count() - collectives_before,
+                frozen_untouched=recorder.frozen_untouched, trained_moved=recorder.trained_moved,
+                frozen_counts=recorder.frozen_counts,
+                finite=bool(all(np.isfinite(w).all() for w in trainable)))
+
+
+def main():
+    values = run()
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

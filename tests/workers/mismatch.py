@@ -14,7 +14,7 @@ from keras_boost import BoostModel, distributed
 from tests.helpers import classification_data, compile_sgd, mlp, weights
 
 
-def main():
+def run():
     distributed.init()
     rank = distributed.rank()
     x, y = classification_data(n=64)
@@ -37,7 +37,12 @@ def main():
     model = compile_sgd(mlp(BoostModel))
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
-    report(rank, messages=messages, seconds=seconds, digest=digest)
+    return dict(messages=messages, seconds=seconds, digest=digest)
+
+
+def main():
+    values = run()
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

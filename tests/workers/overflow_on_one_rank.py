@@ -10,7 +10,7 @@ from keras_boost import DynamicLossScale, distributed
 from tests.helpers import classification_data, compile_sgd, mlp, weights
 
 
-def main():
+def run():
     distributed.init()
     rank = distributed.rank()
     model = compile_sgd(mlp(), loss_scale=DynamicLossScale(init_scale=2.0**10, scale_window=3))
@@ -26,8 +26,13 @@ def main():
         overflows.append(int(logs["overflow"]))
         iterations.append(int(model.optimizer.iterations.numpy()))
     digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
-    report(rank, scales=scales, overflows=overflows, iterations=iterations, digest=digest,
-           finite=bool(all(np.isfinite(w).all() for w in weights(model))))
+    return dict(scales=scales, overflows=overflows, iterations=iterations, digest=digest,
+                finite=bool(all(np.isfinite(w).all() for w in weights(model))))
+
+
+def main():
+    values = run()
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

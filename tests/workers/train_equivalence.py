@@ -15,7 +15,6 @@ import numpy as np
 from keras_boost import BoostModel, distributed
 from tests.helpers import classification_data, compile_sgd, max_diff, mlp, weights
 
-ACCUMULATION = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 
 
 def interleave_shard(x, per_worker, rank, size):
@@ -26,18 +25,19 @@ def interleave_shard(x, per_worker, rank, size):
     return np.concatenate([b[rank * per_worker:(rank + 1) * per_worker] for b in batches])
 
 
-def main():
+def run(accumulation=1):
     distributed.init()
     rank, size = distributed.rank(), distributed.size()
+    collectives_before = distributed.allreduce_count()  # 0 when this is the first scenario of the process
     x, y = classification_data(n=256)
     per_worker = 16
-    reference_batch = per_worker * size * ACCUMULATION
+    reference_batch = per_worker * size * accumulation
 
     reference = compile_sgd(mlp(keras.Model, seed=0))
     reference.fit(x, y, batch_size=reference_batch, epochs=2, shuffle=False, verbose=0)
 
-    model = compile_sgd(mlp(BoostModel, seed=rank + 7), gradient_accumulation=ACCUMULATION)  # start apart
-    xs, ys = (interleave_shard(a, per_worker * ACCUMULATION, rank, size) for a in (x, y))
+    model = compile_sgd(mlp(BoostModel, seed=rank + 7), gradient_accumulation=accumulation)  # start apart
+    xs, ys = (interleave_shard(a, per_worker * accumulation, rank, size) for a in (x, y))
     # within one accumulation window the micro-batches of a worker are consecutive rows
     if rank == 0:  # the others start elsewhere: fit must broadcast rank 0's weights
         for variable, value in zip(model.trainable_variables, mlp(keras.Model, seed=0).get_weights()):
@@ -45,10 +45,16 @@ def main():
     history = model.fit(xs, ys, batch_size=per_worker, epochs=2, shuffle=False, verbose=0)
     evaluation = model.evaluate(xs, ys, batch_size=32, verbose=0, return_dict=True)
     digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
-    report(rank, diff=max_diff(weights(reference), weights(model)), digest=digest,
-           history={k: [float(v) for v in vs] for k, vs in history.history.items()},
-           evaluation={k: float(v) for k, v in evaluation.items()},
-           collectives=distributed.allreduce_count(), iterations=int(model.optimizer.iterations.numpy()))
+    return dict(diff=max_diff(weights(reference), weights(model)), digest=digest,
+                history={k: [float(v) for v in vs] for k, vs in history.history.items()},
+                evaluation={k: float(v) for k, v in evaluation.items()},
+                collectives=distributed.allreduce_count() - collectives_before,
+                iterations=int(model.optimizer.iterations.numpy()))
+
+
+def main():
+    values = run(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":

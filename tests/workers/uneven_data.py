@@ -59,10 +59,10 @@ def reference(x, y, xv, yv):
     return model, val
 
 
-def main():
+def run(modes="numpy,dataset,pydataset"):
     distributed.init()
     rank = distributed.rank()
-    modes = sys.argv[1].split(",")
+    modes = modes.split(",")
     x, y = classification_data(n=sum(SIZES.values()))
     xv, yv = classification_data(n=sum(VAL_SIZES.values()), seed=2)
     ref_model, ref_val = reference(x, y, xv, yv)
@@ -93,7 +93,12 @@ def main():
             "evaluation": {k: float(v) for k, v in evaluation.items()},
             "evaluation_diff": max(abs(evaluation[k] - ref_val[k]) for k in ref_val),
         }
-    report(rank, **out)
+    return out
+
+
+def main():
+    values = run(*sys.argv[1:])
+    report(distributed.rank(), **values)
 
 
 if __name__ == "__main__":
