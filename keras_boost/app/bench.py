@@ -156,7 +156,7 @@ def plot(runs, levels, path):
 
 def child_command(argv, level, seed, result_path, np_workers, controller):
     """The command line of one run: this bench, one level and seed, writing its result to `result_path`."""
-    from keras_boost.app.cli import horovodrun_command, without_options
+    from keras_boost.app.launch import horovodrun_command, without_options
 
     own = [sys.executable, "-m", "keras_boost.app.cli",
            *without_options(argv, ("--np", "--levels", "--seeds", "--seed", "--rounds", "--table", "--plot")),
