@@ -193,7 +193,10 @@ def run_break(brk, python):
         copy_repository(tmp)
         target = tmp / brk.path
         target.write_text(check_snippet(brk, tmp).replace(brk.snippet, brk.replacement))
-        env = dict(os.environ, PYTHONPATH=str(tmp), TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+        # KB_TESTS_SEPARATE_LAUNCHES: a test that reads a scenario of a shared Horovod launch
+        # (tests/launch.py) gets a launch with that scenario alone, not the whole shared one
+        env = dict(os.environ, PYTHONPATH=str(tmp), TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+                   KB_TESTS_SEPARATE_LAUNCHES="1")
         command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={brk.timeout}",
                    "-rfE", *brk.tests]
         start = time.monotonic()

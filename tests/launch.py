@@ -134,6 +134,10 @@ def _launch(cmd, timeout, env, gpus):
 # dropin_rank0 ends with rank 0 evaluating alone after the other workers exit, so it comes
 # last; the checks that hang when their feature breaks (uneven data, mismatched workers)
 # come late, so that a hang costs the other scenarios nothing.
+# KB_TESTS_SEPARATE_LAUNCHES=1 gives each scenario a launch of its own instead (the same
+# workers, one scenario per launch): quicker when only a few of these tests run, as in
+# scripts/mutation_check.py, and for looking at one scenario alone.
+SEPARATE = os.environ.get("KB_TESTS_SEPARATE_LAUNCHES") == "1"
 SHARED = {
     "gloo": dict(np=2, controller="gloo", timeout=540, scenarios=[
         ("mindspore_config", "mindspore_config", []),
@@ -169,11 +173,15 @@ SHARED = {
 _SHARED_RUNS = {}
 
 
-def _run_shared(launch):
+def _scenarios(launch, only=None):
+    return [entry for entry in SHARED[launch]["scenarios"] if only is None or entry[0] == only]
+
+
+def _run_shared(launch, only=None):
     spec = SHARED[launch]
     work = tempfile.mkdtemp(prefix=f"kb_shared_{launch}_")
     scenarios = [[name, module, [a.replace("{tmp}", work) if isinstance(a, str) else a for a in args]]
-                 for name, module, args in spec["scenarios"]]
+                 for name, module, args in _scenarios(launch, only)]
     try:
         # a scenario that hangs in fit ends the launch after 120 s (keras_boost's stall timeout)
         # instead of at the launch's timeout; every scenario takes well under a minute
@@ -194,11 +202,12 @@ def shared(launch, scenario):
     The launch runs once per test session, when a test first asks for it. Asserts that
     the scenario finished without an error on every rank, and that the launch exited
     cleanly when every scenario did. The values include "scenario_seconds" (its wall time
-    on that rank); `shared_dir(launch)` is the folder the launch's scenarios wrote to.
+    on that rank); `shared_dir(launch, scenario)` is the folder it wrote to.
     """
-    if launch not in _SHARED_RUNS:
-        _SHARED_RUNS[launch] = _run_shared(launch)
-    completed, found = _SHARED_RUNS[launch]
+    key = (launch, scenario if SEPARATE else None)
+    if key not in _SHARED_RUNS:
+        _SHARED_RUNS[key] = _run_shared(*key)
+    completed, found = _SHARED_RUNS[key]
     ranks = range(SHARED[launch]["np"])
     tail = f"(shared launch {launch!r}, exit {completed.returncode}):\n{completed.stdout[-6000:]}"
     missing = [rank for rank in ranks if scenario not in found.get(rank, {})]
@@ -206,12 +215,12 @@ def shared(launch, scenario):
     errors = {rank: found[rank][scenario]["error"] for rank in ranks if "error" in found[rank][scenario]}
     assert not errors, f"scenario {scenario!r} raised: {errors} {tail}"
     everything_ran = all(name in found.get(rank, {}) and "error" not in found[rank][name]
-                         for rank in ranks for name, _, _ in SHARED[launch]["scenarios"])
+                         for rank in ranks for name, _, _ in _scenarios(*key))
     if everything_ran:  # otherwise the failure is the failing scenario's test's
         assert completed.returncode == 0, f"every scenario finished, but the launch did not exit cleanly {tail}"
     return {rank: found[rank][scenario] for rank in ranks}
 
 
-def shared_dir(launch):
-    """The folder the scenarios of `launch` got as "{tmp}" (after `shared(launch, ...)`)."""
-    return _SHARED_RUNS[launch][0].work_dir
+def shared_dir(launch, scenario):
+    """The folder `scenario` of `launch` got as "{tmp}" (after `shared(launch, scenario)`)."""
+    return _SHARED_RUNS[(launch, scenario if SEPARATE else None)][0].work_dir

@@ -65,7 +65,7 @@ def test_jit_compile_true_on_two_workers_trains_without_xla_and_warns_once():
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_rank_zero_only_evaluate_predict_and_save(controller):
     found = shared(controller, "dropin_rank0")
-    tmp_path = Path(shared_dir(controller))  # where rank 0 saved
+    tmp_path = Path(shared_dir(controller, "dropin_rank0"))  # where rank 0 saved
     zero, one = found[0], found[1]
     # evaluate on all ranks averages
     mean = (zero["all_local_loss"] + one["all_local_loss"]) / 2
