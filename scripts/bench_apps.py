@@ -6,9 +6,19 @@ Every configuration runs in its own process (a fresh TensorFlow, nothing shared)
 configurations take turns round after round, and each process trains with `fit` as users
 call it: `--epochs` epochs of `--steps` steps of batch `--batch-size` on 32x32x3 inputs
 (random data: this measures speed, not accuracy). Reported per configuration: the median
-and the spread of the epoch time after the first, the first step (from `fit`'s start to
-the end of step 0: tracing and graph optimisation) and the first epoch, and the ratios
-against the first configuration given.
+step time after the first epoch (each run's mean step without each epoch's first step,
+which also starts the epoch, and without the steps that traced a function; then the median
+and range over the rounds: a freeze group traced when it first trains is one slow step,
+which this leaves out and the whole-fit time keeps), the median epoch time after the first, the first
+step (from `fit`'s start to the end of step 0: tracing and graph optimisation), the first
+epoch and the whole fit. Beside the wall-clock step, the process's CPU time per step (all
+threads; the same statistic): the work a step does, which another machine's load moves
+less than the wall clock, and the ratios against the first configuration given.
+
+On CPUs without AVX-512, TensorFlow 2.18 leaves oneDNN off; its Eigen
+`Conv2DBackpropInput` then takes ~300 ms per 3x3 convolution on ResNet50's 1x1 maps
+(80% of the step). `TF_ENABLE_ONEDNN_OPTS=1` in the environment turns oneDNN on for every
+process (docs/benchmarks.md); the table's header says which was used.
 
 Configurations (`--configs`):
     keras        plain keras.Model (the reference without keras_boost)
@@ -136,28 +146,52 @@ def worker(args):
     class Times(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.epochs, self.first_step = [], None
+            self.epochs, self.steps, self.cpu_steps, self.first_step = [], [], [], None
 
         def on_train_begin(self, logs=None):
             self.start = time.perf_counter()
 
         def on_epoch_begin(self, epoch, logs=None):
-            self.epoch_start = time.perf_counter()
+            self.epoch_start = self.step_start = time.perf_counter()
+            self.cpu_start = time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):
+            now, cpu = time.perf_counter(), time.process_time()
             if self.first_step is None:
-                self.first_step = time.perf_counter() - self.start
+                self.first_step = now - self.start
+            elif self.epochs:  # steps after the first epoch
+                self.steps.append(now - self.step_start)
+                self.cpu_steps.append(cpu - self.cpu_start)
+            self.step_start, self.cpu_start = now, cpu
 
         def on_epoch_end(self, epoch, logs=None):
             self.epochs.append(time.perf_counter() - self.epoch_start)
 
     times = Times()
+    start = time.perf_counter()
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[times])
-    print("RESULT " + json.dumps({"epochs": times.epochs, "first_step": times.first_step}), flush=True)
+    print("RESULT " + json.dumps({"epochs": times.epochs, "steps": times.steps, "cpu_steps": times.cpu_steps,
+                                  "first_step": times.first_step,
+                                  "fit": time.perf_counter() - start}), flush=True)
 
 
-def spread(values):
-    return f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+def steady_step(steps, steps_per_epoch):
+    """Mean step time after the first epoch, without each epoch's first step and tracing steps.
+
+    `steps`: the step times after the first epoch, epoch after epoch. Each epoch's first
+    step also times the start of the epoch (Keras builds the epoch's iterator: 2-4 s here
+    for every configuration), and a freeze group traced when it first trains makes one
+    step last seconds (over 4x the median step); both are left out here and counted in the
+    whole-fit time. A mean, not a median: a freeze level mixes full and partial steps, and
+    the median would pick the full step's time.
+    """
+    inner = [s for index, s in enumerate(steps) if index % steps_per_epoch]
+    limit = 4 * statistics.median(inner)
+    return statistics.fmean([s for s in inner if s <= limit])
+
+
+def spread(values, digits=2):
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
 
 
 def main():
@@ -169,11 +203,13 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    parser.add_argument("--raw", default=None, help="append every run's step and epoch times to this JSON-lines file")
     parser.add_argument("--worker", type=config_name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    results = {config: {"epoch": [], "first_step": [], "first_epoch": []} for config in args.configs}
+    results = {config: {key: [] for key in ("step", "cpu_step", "epoch", "first_step", "first_epoch", "fit")}
+               for config in args.configs}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     for round_index in range(args.rounds):
         for config in args.configs:
@@ -184,24 +220,41 @@ def main():
             if done.returncode != 0 or line is None:
                 sys.exit(f"{config} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
             result = json.loads(line[len("RESULT "):])
+            results[config]["step"].append(steady_step(result["steps"], args.steps))
+            results[config]["cpu_step"].append(steady_step(result["cpu_steps"], args.steps))
+            if args.raw:
+                with open(args.raw, "a") as raw:
+                    raw.write(json.dumps({"round": round_index, "config": config, **result}) + "\n")
             results[config]["epoch"].append(statistics.median(result["epochs"][1:]))
             results[config]["first_step"].append(result["first_step"])
             results[config]["first_epoch"].append(result["epochs"][0])
-            print(f"round {round_index + 1} {config}: epochs {[round(e, 2) for e in result['epochs']]} "
-                  f"first step {result['first_step']:.2f} s", flush=True)
-    reference = args.configs[0]
-    ref_epoch = statistics.median(results[reference]["epoch"])
-    ref_first = statistics.median(results[reference]["first_step"])
-    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
-          f"{args.rounds} rounds (one process each, taking turns); ratios against {reference}")
-    print("| configuration | epoch after the first (median, range) | speed vs " + reference
-          + " | first step | first step / " + reference + " | first epoch |")
-    print("|---|---|---|---|---|---|")
-    for config, values in results.items():
-        epoch, first = statistics.median(values["epoch"]), statistics.median(values["first_step"])
-        print(f"| {config} | {epoch:.2f} s ({spread(values['epoch'])}) | {ref_epoch / epoch:.2f}x | "
-              f"{first:.1f} s | {first / ref_first:.2f}x | {statistics.median(values['first_epoch']):.1f} s |")
+            results[config]["fit"].append(result["fit"])
+            print(f"round {round_index + 1} {config}: step {1000 * results[config]['step'][-1]:.0f} ms, "
+                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s",
+                  flush=True)
+    print_table(args, results)
 
+
+def print_table(args, results):
+    """Medians over the rounds, with their range; ratios against the first configuration."""
+    reference = args.configs[0]
+    median = {config: {key: statistics.median(v) for key, v in values.items()} for config, values in results.items()}
+    ref = median[reference]
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TensorFlow's default")
+    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
+          f"{args.rounds} rounds (one process each, taking turns), TF_ENABLE_ONEDNN_OPTS={onednn}; "
+          f"ratios against {reference}")
+    print(f"| configuration | step after the first epoch (mean; median, range over rounds) | speed vs {reference} | "
+          f"CPU time per step | vs {reference} | epoch after the first | first step | first step / {reference} | "
+          "first epoch | whole fit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for config, values in results.items():
+        m = median[config]
+        steps_ms = [1000 * v for v in values["step"]]
+        print(f"| {config} | {1000 * m['step']:.0f} ms ({spread(steps_ms, 0)}) | {ref['step'] / m['step']:.2f}x | "
+              f"{1000 * m['cpu_step']:.0f} ms | {ref['cpu_step'] / m['cpu_step']:.2f}x | "
+              f"{m['epoch']:.2f} s | {m['first_step']:.1f} s | {m['first_step'] / ref['first_step']:.2f}x | "
+              f"{m['first_epoch']:.1f} s | {m['fit']:.1f} s |")
 
 if __name__ == "__main__":
     main()

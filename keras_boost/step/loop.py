@@ -202,12 +202,6 @@ class BoostTrainOneStep:
         with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
             return self._train_step(data, branch)
 
-    @property
-    def branches(self):
-        """How many branches (freeze groups) the built step has."""
-        self._require_built()
-        return len(self._groups)
-
     def plans_branches(self):
         """Whether the branch of each step can be chosen from Python (`next_branch`)."""
         self._require_built()
