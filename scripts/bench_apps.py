@@ -24,6 +24,7 @@ Configurations (`--configs`):
     keras        plain keras.Model (the reference without keras_boost)
     O0, O1, O2   BoostModel(boost_level=...) with the level's defaults
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
+    O1-nogc      O1 without gradient centralization ({"less_bn": {"gc_flag": False}})
     lessbn       O1 with LessBN and the FN head only (no GC, no freezing)
     lessbn-gc    O1 with LessBN, FN head and GC (no freezing)
     freeze       gradient freezing only (MindSpore's defaults: 10 groups, freeze_p 0.7)
@@ -49,6 +50,7 @@ CONFIGS = {
     "O1": ("O1", None),
     "O2": ("O2", None),
     "O0-noguard": ("O0", None),
+    "O1-nogc": ("O1", {"less_bn": {"gc_flag": False}}),
     "lessbn": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": False}}),
     "lessbn-gc": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": True}}),
     "freeze": ("O1", {"boost": {"mode": "manual", "less_bn": False, "grad_freeze": True}}),
