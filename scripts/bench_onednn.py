@@ -1,0 +1,100 @@
+"""ResNet50's gradient with TensorFlow's default CPU kernels against oneDNN, and where the time goes.
+
+    .venv/bin/python scripts/bench_onednn.py
+
+No keras_boost: a `tf.GradientTape` step of `keras.applications.ResNet50(weights=None,
+input_shape=(32, 32, 3), classes=10)` on batch 32, compiled with `tf.function`. Each setting
+of `TF_ENABLE_ONEDNN_OPTS` (unset, "1") runs in its own process, because TensorFlow reads
+it when it loads. Prints the forward (training mode) and gradient times (mean of 3 after
+one warm-up call) and the slowest op types of one profiled gradient call.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def worker(top):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.core.profiler.protobuf import xplane_pb2
+
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((32, 32, 32, 3), dtype=np.float32))
+    y = tf.constant(rng.integers(0, 10, 32))
+    loss = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def forward(x):
+        return model(x, training=True)
+
+    @tf.function
+    def gradient(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        return tape.gradient(value, model.trainable_variables)
+
+    times = {}
+    for name, call in (("forward", lambda: forward(x)), ("gradient", lambda: gradient(x, y))):
+        call()
+        start = time.perf_counter()
+        for _ in range(3):
+            tf.nest.map_structure(lambda t: t.numpy(), call())
+        times[name] = (time.perf_counter() - start) / 3
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        gradient(x, y)[0].numpy()
+        tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
+            space.ParseFromString(f.read())
+    ops, slowest = collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("tf_"):
+                continue
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                if ":" in name and "::" not in name:  # "<op name>:<op type>", not the executor's own events
+                    ops[name.rsplit(":", 1)[1]] += event.duration_ps / 1e9
+                    slowest[name] = max(slowest[name], event.duration_ps / 1e9)
+    print("RESULT " + json.dumps({"times": times, "ops": ops.most_common(top), "slowest": slowest.most_common(top)}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--top", type=int, default=6, help="op types and single ops to list")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.top)
+    for setting in (None, "1"):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+        if setting:
+            env["TF_ENABLE_ONEDNN_OPTS"] = setting
+        done = subprocess.run([sys.executable, __file__, "--worker", "--top", str(args.top)], capture_output=True,
+                              text=True, timeout=900, env=env)
+        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if done.returncode != 0 or line is None:
+            sys.exit(f"worker failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(line[len("RESULT "):])
+        print(f"TF_ENABLE_ONEDNN_OPTS={setting or 'unset'}: forward {1000 * result['times']['forward']:.0f} ms, "
+              f"gradient {1000 * result['times']['gradient']:.0f} ms")
+        for name, ms in result["ops"]:
+            print(f"    {ms:8.1f} ms  {name} (all of this type)")
+        for name, ms in result["slowest"]:
+            print(f"    {ms:8.1f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
