@@ -25,6 +25,8 @@ Configurations (`--configs`):
     O0, O1, O2   BoostModel(boost_level=...) with the level's defaults
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     O1-nogc      O1 without gradient centralization ({"less_bn": {"gc_flag": False}})
+    O1-cont      O1-nogc with the continuous freeze strategy ({"grad_freeze": {"freeze_type": 0}})
+    O1-cont4     O1-cont with 4 freeze groups instead of 10 ({"param_groups": 4})
     lessbn       O1 with LessBN and the FN head only (no GC, no freezing)
     lessbn-gc    O1 with LessBN, FN head and GC (no freezing)
     freeze       gradient freezing only (MindSpore's defaults: 10 groups, freeze_p 0.7)
@@ -42,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
+
 FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0")
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
 CONFIGS = {
@@ -51,6 +55,8 @@ CONFIGS = {
     "O2": ("O2", None),
     "O0-noguard": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {"gc_flag": False}}),
+    "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0}}),
+    "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     "lessbn": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": False}}),
     "lessbn-gc": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": True}}),
     "freeze": ("O1", {"boost": {"mode": "manual", "less_bn": False, "grad_freeze": True}}),
@@ -175,21 +181,6 @@ def worker(args):
     print("RESULT " + json.dumps({"epochs": times.epochs, "steps": times.steps, "cpu_steps": times.cpu_steps,
                                   "first_step": times.first_step,
                                   "fit": time.perf_counter() - start}), flush=True)
-
-
-def steady_step(steps, steps_per_epoch):
-    """Mean step time after the first epoch, without each epoch's first step and tracing steps.
-
-    `steps`: the step times after the first epoch, epoch after epoch. Each epoch's first
-    step also times the start of the epoch (Keras builds the epoch's iterator: 2-4 s here
-    for every configuration), and a freeze group traced when it first trains makes one
-    step last seconds (over 4x the median step); both are left out here and counted in the
-    whole-fit time. A mean, not a median: a freeze level mixes full and partial steps, and
-    the median would pick the full step's time.
-    """
-    inner = [s for index, s in enumerate(steps) if index % steps_per_epoch]
-    limit = 4 * statistics.median(inner)
-    return statistics.fmean([s for s in inner if s <= limit])
 
 
 def spread(values, digits=2):

@@ -36,3 +36,26 @@ def test_unknown_config_names_are_refused(name):
 
     with pytest.raises(argparse.ArgumentTypeError, match="unknown configuration"):
         bench_apps.config_name(name)
+
+
+def test_steady_step_is_keras_boost_bench_statistic():
+    from keras_boost.app import bench
+
+    assert bench_apps.steady_step is bench.steady_step  # one statistic for both benchmarks
+    assert bench.steady_step([], 5) is None and bench.steady_step([2.0], 1) is None  # no step after epoch starts
+
+
+def test_keras_boost_bench_clock_records_the_steps_after_the_first_epoch():
+    import keras
+    import numpy as np
+
+    from keras_boost.app.bench import _EpochClock
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 3), dtype=np.float32), rng.integers(0, 2, 40)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    clock = _EpochClock((x, y))
+    model.fit(x, y, batch_size=10, epochs=3, verbose=0, callbacks=[clock])
+    assert clock.steps_per_epoch == 4 and len(clock.step_times) == 8  # epochs 2 and 3, 4 steps each
+    assert len(clock.train_times) == 3 and len(clock.accuracies) == 3 and clock.first_step > 0
