@@ -22,6 +22,7 @@ from keras_boost import _keras_compat  # noqa: E402,F401 - checks the Keras vers
 from keras_boost import distributed, optimizers, step  # noqa: E402
 from keras_boost.compat.auto_boost import AutoBoost
 from keras_boost.compat.params import OptimizerProcess, ParameterProcess
+from keras_boost.config import MINDSPORE_DEFAULTS
 from keras_boost.distributed import callbacks, elastic
 from keras_boost.graph.layers import FNHead
 from keras_boost.graph.less_bn import LessBN
@@ -57,12 +58,12 @@ __all__ = [
     "GradientCentralization",
     "GradientFreeze",
     "LessBN",
+    "MINDSPORE_DEFAULTS",
     "OptimizerProcess",
     "ParameterProcess",
     "callbacks",
     "distributed",
     "elastic",
-    "optimizers",
     "freeze_cell",
     "generate_freeze_index_sequence",
     "optimizers",

@@ -15,12 +15,18 @@ Configuration (a dict, or the path of a JSON file), with MindSpore's sections an
                "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
-     "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7,
+     "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
                      "total_steps": 65536, "seed": 0},
      "grad_accumulation": {"grad_accumulation_step": 1},
      "adasum": {"backend": "auto"},
      "dim_reduce": {"rho": 0.55, "gamma": 0.9, "alpha": 0.001, "sigma": 0.4, "n_components": 32,
                     "pca_mat_path": None, "weight_load_dir": None, "timeout": 1800}}
+
+The freezing defaults differ from MindSpore's, chosen from measurements
+(docs/auto_boost.md, "O1's defaults"): freezing uses the continuous strategy over 4 groups (`freeze_type` 0,
+`param_groups` 4; MindSpore: the interval strategy over 10 groups). `MINDSPORE_DEFAULTS`
+is MindSpore's values of the `less_bn` and `grad_freeze` sections, to pass as (or merge
+into) the configuration: `AutoBoost("O1", MINDSPORE_DEFAULTS)` is MindSpore's O1 exactly.
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -54,7 +60,11 @@ MODES = ("auto", "manual", "enable_all", "disable_all")
 DEFAULTS = {
     "common": {"gradient_split_groups": None, "device_number": None},
     "less_bn": {"fn_flag": True, "gc_flag": True},
-    "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7, "total_steps": 65536, "seed": 0},
+    # keras_boost's freezing default: the continuous strategy over 4 groups (MindSpore's
+    # interval strategy over 10 groups mostly draws shallow groups, which save little, and
+    # compiles a step per group as each is first drawn, scattered over the run); see
+    # docs/auto_boost.md, "O1's defaults".
+    "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7, "total_steps": 65536, "seed": 0},
     "grad_accumulation": {"grad_accumulation_step": 1},
     "adasum": {"backend": "auto"},
     # MindSpore's DimReduce hyper-parameters: accepted (so MindSpore's documented config
@@ -63,6 +73,12 @@ DEFAULTS = {
                    "pca_mat_path": None, "weight_load_dir": None, "timeout": 1800},
 }
 SECTIONS = ("boost", *DEFAULTS)
+# MindSpore's documented values where keras_boost's defaults differ: pass it as the
+# configuration (or merge it into yours) for MindSpore's exact O1/O2.
+MINDSPORE_DEFAULTS = {
+    "less_bn": {"fn_flag": True, "gc_flag": True},
+    "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7, "total_steps": 65536},
+}
 
 
 def read_config(boost_config):

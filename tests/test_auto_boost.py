@@ -6,7 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_boost import AdaSum, AutoBoost, BoostModel, GradientCentralization
+import keras_boost as kb
+from keras_boost import AdaSum, AutoBoost, BoostModel, GradientCentralization, generate_freeze_index_sequence
 from keras_boost.config import DEFAULTS, FEATURES
 from keras_boost.stages.freeze import FreezeSchedule
 from keras_boost.app.demo_net import demo_resnet
@@ -19,6 +20,23 @@ def test_level_table(level, on):
     auto = AutoBoost(level)
     assert {k for k, v in auto.features.items() if v} == on
     assert auto.params == DEFAULTS
+
+
+@pytest.mark.parametrize("config, gc, groups, strategy, freeze_p", [
+    (None, True, 4, 0, 0.7),  # keras_boost's defaults (docs/auto_boost.md, "O1's defaults")
+    (kb.MINDSPORE_DEFAULTS, True, 10, 1, 0.7),  # MindSpore's, on request
+    ({**kb.MINDSPORE_DEFAULTS, "grad_freeze": {"freeze_p": 0.5}}, True, 4, 0, 0.5),  # sections merge key by key
+    ({"less_bn": {"gc_flag": False}}, False, 4, 0, 0.7),
+])
+def test_o1_defaults_and_mindspore_defaults_on_request(config, gc, groups, strategy, freeze_p):
+    base = demo_resnet(model_class=keras.Model)
+    model = BoostModel(base.inputs, base.outputs, boost_level="O1", boost_config=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step = model.boost_step
+    assert isinstance(step.centralization, GradientCentralization) is gc
+    assert len(step.freeze.plan.branches) == groups
+    expected = generate_freeze_index_sequence(groups, strategy, freeze_p, 40)
+    np.testing.assert_array_equal(np.asarray(step.freeze.plan.schedule[:40]), np.asarray(expected[:40]))
 
 
 def test_modes():
@@ -78,7 +96,7 @@ def test_bad_json_file(tmp_path):
 
 
 def test_network_auto_process_train_demo_model():
-    auto = AutoBoost("O2", {"grad_freeze": {"total_steps": 40, "param_groups": 4}})
+    auto = AutoBoost("O2", {"less_bn": {"gc_flag": True}, "grad_freeze": {"total_steps": 40, "param_groups": 4}})
     base = demo_resnet(model_class=keras.Model)
     model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.05, momentum=0.9))
     assert isinstance(model, BoostModel) and model.auto_boost is auto
@@ -97,7 +115,9 @@ def test_network_auto_process_train_demo_model():
 
 
 def test_network_auto_process_train_resnet50():
-    auto = AutoBoost("O1", {"grad_freeze": {"total_steps": 4, "param_groups": 2}})  # 2 traced branches, not 10
+    # MindSpore's GC and interval strategy (its second step trains group 1), 2 traced branches, not 10
+    auto = AutoBoost("O1", {"less_bn": {"gc_flag": True},
+                            "grad_freeze": {"total_steps": 4, "param_groups": 2, "freeze_type": 1}})
     base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
     model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.01, momentum=0.9))
     assert model.less_bn_report.num_removed == 36

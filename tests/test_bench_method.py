@@ -59,3 +59,23 @@ def test_keras_boost_bench_clock_records_the_steps_after_the_first_epoch():
     model.fit(x, y, batch_size=10, epochs=3, verbose=0, callbacks=[clock])
     assert clock.steps_per_epoch == 4 and len(clock.step_times) == 8  # epochs 2 and 3, 4 steps each
     assert len(clock.train_times) == 3 and len(clock.accuracies) == 3 and clock.first_step > 0
+
+
+def test_bench_groups_assigns_each_step_its_freeze_group():
+    import bench_groups
+    import numpy as np
+
+    # keras_boost's O1 sequence: 6 full steps, then groups 1, 2, 3; a step of group k takes
+    # 0.5 - 0.1 k s here, its CPU time twice that; epochs of 9 steps, 2 epochs after the first
+    sequence = bench_groups.sequence_of("O1")
+    np.testing.assert_array_equal(sequence[:9], [0, 0, 0, 0, 0, 0, 1, 2, 3])
+    groups = sequence[9:27]
+    steps = [0.5 - 0.1 * g for g in groups]
+    steps[0], steps[9] = 3.0, 3.5  # epoch starts, left out
+    run = {"config": "O1", "steps": steps, "cpu_steps": [2 * s for s in steps]}
+    found = bench_groups.per_group(run, 9)
+    assert sorted(found) == [0, 1, 2, 3]
+    assert found[0][0] == 10 and found[3][0] == 2  # 12 full steps less the two epoch starts; group 3 twice
+    for group, (count, wall, cpu) in found.items():
+        assert wall == pytest.approx(1000 * (0.5 - 0.1 * group)) and cpu == pytest.approx(2 * wall)
+    assert bench_groups.sequence_of("keras") is None and bench_groups.sequence_of("lessbn") is None

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "keras_boost.app.cli"]
 
 
-def expected_frozen_share(updates):
-    """The share of frozen steps of O1's default schedule sized to `updates` (what the CLI does)."""
+def expected_frozen_share(updates, **freeze):
+    """The share of frozen steps of O1's schedule (`freeze`: the config's grad_freeze) sized to `updates`."""
     from keras_boost import GradientFreeze
 
-    sequence = GradientFreeze(total_steps=updates).generate_freeze_index_sequence()[:updates]
+    sequence = GradientFreeze(**{**freeze, "total_steps": updates}).generate_freeze_index_sequence()[:updates]
     return round(float(np.mean(sequence > 0)), 3)
 
 
@@ -35,22 +35,29 @@ def test_info_json():
 
 
 def test_train_single_process_with_level_and_checkpoint(tmp_path):
+    from keras_boost import MINDSPORE_DEFAULTS
+
+    config = tmp_path / "mindspore.json"
+    config.write_text(json.dumps(MINDSPORE_DEFAULTS))
     args = ["train", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1", "--batch-size", "32",
             "--steps-per-epoch", "3", "--level", "O1", "--loss-scale", "dynamic", "--json",
-            "--checkpoint-dir", str(tmp_path)]
+            "--checkpoint-dir", str(tmp_path), "--config", str(config)]
     result = keras_boost(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 1 and summary["level"] == "O1"
     assert summary["batchnorms_removed"] == "5 of 9" and summary["overflows"] == 0
-    # 3 updates of O1's default schedule [0, 3, 0, ...]: one of three steps frozen
-    assert summary["frozen_step_share"] == expected_frozen_share(3) == 0.333
+    # 3 updates of MindSpore's O1 schedule [0, 3, 0, ...]: one of three steps frozen
+    assert summary["frozen_step_share"] == expected_frozen_share(3, **MINDSPORE_DEFAULTS["grad_freeze"]) == 0.333
     assert (tmp_path / "model.weights.h5").exists()
 
 
-def test_train_two_workers():
+def test_train_two_workers(tmp_path):
+    freeze = {"param_groups": 2, "freeze_p": 0.5}  # keras_boost's continuous strategy: [0, 1, 0, 1, ...]
+    config = tmp_path / "boost.json"
+    config.write_text(json.dumps({"grad_freeze": freeze}))
     args = ["train", "--np", "2", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1",
-            "--batch-size", "32", "--steps-per-epoch", "2", "--level", "O1", "--json"]
+            "--batch-size", "32", "--steps-per-epoch", "2", "--level", "O1", "--json", "--config", str(config)]
     result = keras_boost(*args)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     launch = next(l for l in result.stdout.splitlines() if l.startswith("launching: "))
@@ -60,20 +67,24 @@ def test_train_two_workers():
     summary = json.loads(lines[0][lines[0].index("{"):])
     assert summary["workers"] == 2 and summary["epochs"] == 1 and summary["level"] == "O1"
     assert summary["batchnorms_removed"] == "5 of 9"
-    # 2 updates of the schedule [0, 3]: the second step of both workers was a frozen one
-    assert summary["frozen_step_share"] == expected_frozen_share(2) == 0.5
+    # 2 updates of the schedule [0, 1]: the second step of both workers was a frozen one
+    assert summary["frozen_step_share"] == expected_frozen_share(2, **freeze) == 0.5
     assert np.isfinite(summary["train_loss"]) and 0 <= summary["test_accuracy"] <= 1
 
 
 def test_bench_writes_table_and_plot(tmp_path):
-    table, plot = tmp_path / "bench.md", tmp_path / "bench.png"
+    table, plot, raw = tmp_path / "bench.md", tmp_path / "bench.png", tmp_path / "runs.jsonl"
     args = ["bench", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "2", "--batch-size", "32",
-            "--steps-per-epoch", "2", "--levels", "O0", "O1", "--table", str(table), "--plot", str(plot)]
+            "--steps-per-epoch", "2", "--levels", "O0", "O1", "--table", str(table), "--plot", str(plot),
+            "--raw", str(raw)]
     result = keras_boost(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     text = table.read_text()
     assert "| O0 |" in text and "| O1 |" in text and "batchnorms_removed=5 of 9" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = [json.loads(line) for line in raw.read_text().splitlines()]
+    assert [r["level"] for r in runs] == ["O0", "O1"]  # the levels took turns, one line per run
+    assert all(len(r["accuracies"]) == 2 and len(r["epoch_times"]) == 2 for r in runs)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_boost.config import DEFAULTS
 from keras_boost.stages import freeze
 from keras_boost.stages.freeze import (
     FreezeOpt,
@@ -339,8 +340,9 @@ def test_gradient_freeze_generate(model):
 def test_gradient_freeze_defaults_and_config():
     boost = GradientFreeze()
     config = boost.get_config()
-    assert config == {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7,
+    assert config == {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
                       "total_steps": 65536, "seed": 0}
+    assert config == DEFAULTS["grad_freeze"]  # the class and AutoBoost's O1 agree
     assert GradientFreeze.from_config(config).get_config() == config
     assert freeze.CONTINUOUS_STRATEGY == 0 and freeze.INTERVAL_STRATEGY == 1
 

@@ -190,6 +190,8 @@ def run_bench(args, argv):
     """Every round, seed and level in its own process, taking turns; writes the table and the plot."""
     seeds = args.seeds or [args.seed]
     runs = []
+    if args.raw:
+        open(args.raw, "w").close()  # this bench's runs only
     with tempfile.TemporaryDirectory(prefix="keras-boost-bench-") as folder:
         for round_index in range(args.rounds):
             for seed in seeds:
@@ -204,8 +206,11 @@ def run_bench(args, argv):
                         run = json.load(handle)
                     runs.append(run)
                     print(f"round {round_index + 1} seed {seed} {level}: epochs "
-                          f"{[round(t, 1) for t in run['epoch_times']]} s, accuracy {run['accuracies'][-1]:.4f}",
-                          flush=True)
+                          f"{[round(t, 1) for t in run['epoch_times']]} s, test accuracy "
+                          f"{[round(a, 4) for a in run['accuracies']]}", flush=True)
+                    if args.raw:
+                        with open(args.raw, "a") as handle:
+                            handle.write(json.dumps({"round": round_index, **run}) + "\n")
     table = markdown_table(runs, args.levels)
     with open(args.table, "w") as handle:
         handle.write(table + "\n")

@@ -154,6 +154,8 @@ def build_parser():
     bench.add_argument("--seeds", type=int, nargs="+", default=None, help="run every level with each of these "
                        "seeds (default: --seed)")
     bench.add_argument("--run-timeout", type=_positive_float, default=3600, help="seconds one run may take")
+    bench.add_argument("--raw", default=None, help="also write every run (epoch and step times, test accuracy "
+                       "per epoch, boost report) to this file, one JSON object per line")
     bench.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
     return parser
 

@@ -608,9 +608,13 @@ class GradientFreeze:
     group sequence; the boost train step then trains group `sequence[step]` at each step.
 
     Args:
-        param_groups: int (>= 1), the number of groups `G`. Defaults to 10.
+        param_groups: int (>= 1), the number of groups `G`. Defaults to 4 (MindSpore's
+            AutoBoost: 10).
         freeze_type: int, 0 (continuous, "00001234") or 1 (interval, "01020304").
-            Defaults to 1.
+            Defaults to 0 (MindSpore's AutoBoost: 1). keras_boost's defaults are the
+            AutoBoost O1/O2 defaults, chosen from measurements (docs/auto_boost.md, "O1's
+            defaults"); MindSpore's `GradientFreeze` has none, so a port that passes all
+            four arguments gets the same sequence as MindSpore.
         freeze_p: float in (0, 1], the share of FULL (unfrozen) steps despite its name.
             Defaults to 0.7.
         total_steps: int (>= 1), the planned number of training steps (a float with an
@@ -624,7 +628,7 @@ class GradientFreeze:
     >>> model, freeze_opt = freeze.freeze_generate(model, keras.optimizers.SGD(0.1))
     """
 
-    def __init__(self, param_groups=10, freeze_type=1, freeze_p=0.7, total_steps=65536, seed=0):
+    def __init__(self, param_groups=4, freeze_type=0, freeze_p=0.7, total_steps=65536, seed=0):
         self.param_groups = _check_int("param_groups", param_groups, 1)
         self.freeze_type = _check_strategy(freeze_type, "freeze_type")
         self.freeze_p = _check_freeze_p(freeze_p)
