@@ -46,20 +46,20 @@ import sys
 import time
 
 from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
+from keras_boost.config import MINDSPORE_DEFAULTS
 
 FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0")
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
-# MindSpore's values where keras_boost's defaults differ (keras_boost.MINDSPORE_DEFAULTS), spelled
-# out so that these configurations mean what docs/benchmarks.md says whatever the defaults are.
-MINDSPORE_LESS_BN = {"fn_flag": True, "gc_flag": True}
-MINDSPORE_FREEZE = {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7, "total_steps": 65536}
+# MindSpore's values where keras_boost's defaults differ, named so that these configurations
+# mean what docs/benchmarks.md says whatever keras_boost's defaults are.
+MINDSPORE_LESS_BN, MINDSPORE_FREEZE = MINDSPORE_DEFAULTS["less_bn"], MINDSPORE_DEFAULTS["grad_freeze"]
 FREEZE_ONLY = {"mode": "manual", "less_bn": False, "grad_freeze": True}
 CONFIGS = {
     "keras": ("keras", None),
     "O0": ("O0", None),
     "O1": ("O1", None),
     "O2": ("O2", None),
-    "O1-mindspore": ("O1", {"less_bn": MINDSPORE_LESS_BN, "grad_freeze": MINDSPORE_FREEZE}),
+    "O1-mindspore": ("O1", MINDSPORE_DEFAULTS),
     "O0-noguard": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),

@@ -24,16 +24,14 @@ import bench_common  # noqa: F401  (sys.path and log level)
 import keras
 import numpy as np
 
-from keras_boost import BoostModel
+from keras_boost import MINDSPORE_DEFAULTS, BoostModel
 from keras_boost.graph import less_bn
 from keras_boost.app.data import load_fashion_mnist
 from keras_boost.app.demo_net import demo_resnet
 from keras_boost.app.training import to_rgb32
 
-# MindSpore's values where keras_boost's O1 defaults differ (keras_boost.MINDSPORE_DEFAULTS): the
-# diagnostics vary MindSpore's O1, as docs/benchmarks.md records them, whatever the defaults are.
-MS = {"less_bn": {"fn_flag": True, "gc_flag": True},
-      "grad_freeze": {"param_groups": 10, "freeze_type": 1, "freeze_p": 0.7, "total_steps": 65536}}
+# The diagnostics vary MindSpore's O1, as docs/benchmarks.md records them, whatever keras_boost's defaults are.
+MS = MINDSPORE_DEFAULTS
 VARIANTS = {
     "O0": ("O0", None),
     "O1": ("O1", None),

@@ -21,7 +21,7 @@ from keras_boost import distributed
 
 
 class _EpochClock(keras.callbacks.Callback):
-    """Training time per epoch (evaluation excluded), step times after the first epoch, first step, test accuracy per epoch."""
+    """Per epoch: training time (evaluation excluded), test accuracy; step times after the first epoch; first step."""
 
     def __init__(self, test_data):
         super().__init__()
@@ -72,10 +72,10 @@ def steady_step(steps, steps_per_epoch):
     """Mean step time after the first epoch, without each epoch's first step and tracing steps.
 
     `steps`: the step times after the first epoch, epoch after epoch. Each epoch's first
-    step also times the start of the epoch (Keras builds the epoch's iterator: 2-4 s here
-    for every configuration), and a freeze group traced when it first trains makes one
-    step last seconds (over 4x the median step); both are left out here and counted in the
-    epoch and whole-fit times. A mean, not a median: a freeze level mixes full and partial
+    step also times the start of the epoch (it lasted seconds on the benchmark machine for
+    every configuration, plain keras.Model included), and a freeze group traced when it
+    first trains makes one step last seconds (over 4x the median step); both are left out
+    here and counted in the epoch and whole-fit times. A mean, not a median: a freeze level mixes full and partial
     steps, and the median would pick the full step's time. None when there is no such step.
     """
     inner = [s for index, s in enumerate(steps) if index % steps_per_epoch]
