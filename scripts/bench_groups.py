@@ -12,12 +12,12 @@ and the keras_boost defaults must be those it ran with.
 
 import argparse
 import json
-import statistics
 
 import numpy as np
 
 import bench_common  # noqa: F401  (sys.path and log level)
 from bench_apps import CONFIGS
+from keras_boost.app.bench import steady_indices
 from keras_boost.config import BoostConfig
 from keras_boost.stages.freeze import generate_freeze_index_sequence
 
@@ -37,7 +37,7 @@ def sequence_of(config):
 def per_group(run, steps_per_epoch):
     steps, cpu = np.asarray(run["steps"]), np.asarray(run["cpu_steps"])
     index = np.arange(len(steps))
-    keep = (index % steps_per_epoch != 0) & (steps <= 4 * statistics.median(steps[index % steps_per_epoch != 0]))
+    keep = np.isin(index, steady_indices(run["steps"], steps_per_epoch))
     sequence = sequence_of(run["config"])
     groups = np.zeros(len(steps), int) if sequence is None else sequence[(index + steps_per_epoch) % len(sequence)]
     return {int(g): (int((keep & (groups == g)).sum()), 1000 * float(np.median(steps[keep & (groups == g)])),

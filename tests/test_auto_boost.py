@@ -96,7 +96,7 @@ def test_bad_json_file(tmp_path):
 
 
 def test_network_auto_process_train_demo_model():
-    auto = AutoBoost("O2", {"less_bn": {"gc_flag": True}, "grad_freeze": {"total_steps": 40, "param_groups": 4}})
+    auto = AutoBoost("O2", {"grad_freeze": {"total_steps": 40, "param_groups": 4}})
     base = demo_resnet(model_class=keras.Model)
     model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.05, momentum=0.9))
     assert isinstance(model, BoostModel) and model.auto_boost is auto
@@ -115,9 +115,8 @@ def test_network_auto_process_train_demo_model():
 
 
 def test_network_auto_process_train_resnet50():
-    # MindSpore's GC and interval strategy (its second step trains group 1), 2 traced branches, not 10
-    auto = AutoBoost("O1", {"less_bn": {"gc_flag": True},
-                            "grad_freeze": {"total_steps": 4, "param_groups": 2, "freeze_type": 1}})
+    # the interval strategy (its second step trains group 1), 2 traced branches, not 10
+    auto = AutoBoost("O1", {"grad_freeze": {"total_steps": 4, "param_groups": 2, "freeze_type": 1}})
     base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
     model, optimizer = auto.network_auto_process_train(base, keras.optimizers.SGD(0.01, momentum=0.9))
     assert model.less_bn_report.num_removed == 36

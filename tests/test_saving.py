@@ -12,8 +12,8 @@ from keras_boost.app.demo_net import demo_resnet
 def trained_o1_model(steps=6):
     base = demo_resnet(model_class=keras.Model)
     model = BoostModel(base.inputs, base.outputs, boost_level="O1",
-                       boost_config={"less_bn": {"gc_flag": True},  # MindSpore's O1: GC, interval freezing
-                                     "grad_freeze": {"total_steps": 40, "param_groups": 4, "freeze_type": 1}})
+                       boost_config={"grad_freeze": {"total_steps": 40, "param_groups": 4,
+                                                     "freeze_type": 1}})  # interval: update 2 of 3 is frozen
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
                   loss_scale=DynamicLossScale(init_scale=64.0, scale_window=4), gradient_accumulation=2)

@@ -78,11 +78,17 @@ def steady_step(steps, steps_per_epoch):
     here and counted in the epoch and whole-fit times. A mean, not a median: a freeze level mixes full and partial
     steps, and the median would pick the full step's time. None when there is no such step.
     """
-    inner = [s for index, s in enumerate(steps) if index % steps_per_epoch]
+    kept = steady_indices(steps, steps_per_epoch)
+    return statistics.fmean(steps[i] for i in kept) if kept else None
+
+
+def steady_indices(steps, steps_per_epoch):
+    """The indices of the steps `steady_step` averages (also how scripts/bench_groups.py picks them)."""
+    inner = [index for index in range(len(steps)) if index % steps_per_epoch]
     if not inner:
-        return None
-    limit = 4 * statistics.median(inner)
-    return statistics.fmean([s for s in inner if s <= limit])
+        return []
+    limit = 4 * statistics.median(steps[i] for i in inner)
+    return [i for i in inner if steps[i] <= limit]
 
 
 def _median(values):
