@@ -21,7 +21,9 @@ TF_VERSION="2.18.1"
 HVD_VERSION="0.28.1"
 CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
 DATA_DIR="/usr/share/datasets/fashion-mnist"
-APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist)
+# openssh-server, iproute2 and util-linux: the multi-host tests' cluster of network-namespace hosts (tests/cluster.py)
+APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist
+              openssh-server openssh-client iproute2 util-linux)
 TOOL_PACKAGES=("keras>=3.15,<3.16" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
 GPU_BUILD_PACKAGES=("nvidia-nccl-cu12" "nvidia-cuda-nvcc-cu12")
 

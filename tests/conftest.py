@@ -23,3 +23,27 @@ def _float32_policy():
     keras.utils.set_random_seed(0)
     yield
     keras.config.set_dtype_policy("float32")
+
+
+# ------------------------------------------------------------------ the cluster
+# Real hosts on this machine (tests/cluster.py): network namespaces with their own
+# hostnames, addresses and sshd. Made once per test session by the first test that needs
+# it (`cluster` fixture, or a shared launch across hosts in tests/launch.py), removed at the
+# end of the session whatever happened; tests that need it skip with the reason where
+# namespaces cannot be made (not root).
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from tests import cluster as cluster_module
+
+    made = cluster_module.shared_cluster()
+    if made is None:
+        pytest.skip(f"multi-host tests need a cluster of network namespaces: {cluster_module.shared_reason()}")
+    return made
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import cluster as cluster_module
+
+    cluster_module.shutdown_shared()

@@ -42,18 +42,36 @@ def horovodrun_command():
     return [sys.executable, str(Path(__file__).resolve().parent / "horovodrun_main.py")]
 
 
-def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False):
-    """Runs `tests/workers/<script>` on `np` local processes; returns the CompletedProcess.
+def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False, hosts=None,
+               launcher_args=()):
+    """Runs `tests/workers/<script>` on `np` processes; returns the CompletedProcess.
 
-    The whole process group is killed after `timeout` seconds, so a hung worker can never
-    hang the suite; the call then raises `subprocess.TimeoutExpired`. `gpus=True` lets the
-    workers see the machine's GPUs (each is pinned to its own).
+    `hosts`: None runs every worker on this machine (`-H localhost:np`); a list such as
+    `["kbh1:2", "kbh2:2"]` runs them on the hosts of the test cluster (tests/cluster.py),
+    launched from inside the first host, as on a real cluster. The whole process group is
+    killed after `timeout` seconds (and every process on the cluster's hosts), so a hung
+    worker can never hang the suite; the call then raises `subprocess.TimeoutExpired`.
+    `gpus=True` lets the workers see the machine's GPUs (each is pinned to its own).
     """
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
-    cmd = [*horovodrun_command(), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
-           "--start-timeout", "60", sys.executable, str(WORKERS / script), *map(str, args)]
-    return _launch(cmd, timeout, env, gpus)
+    placement = ",".join(hosts) if hosts else f"localhost:{np}"
+    cmd = [*horovodrun_command(), "-np", str(np), "-H", placement, f"--{controller}",
+           "--start-timeout", "60", *launcher_args, sys.executable, str(WORKERS / script), *map(str, args)]
+    return _launch(cmd, timeout, env, gpus, cluster=_cluster_for(hosts))
+
+
+def _cluster_for(hosts):
+    if not hosts:
+        return None
+    from tests.cluster import shared_cluster, shared_reason
+
+    made = shared_cluster()
+    if made is None:
+        import pytest
+
+        pytest.skip(f"multi-host launch needs a cluster of network namespaces: {shared_reason()}")
+    return made
 
 
 def results(completed):
@@ -77,20 +95,35 @@ def run_ok(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus
     return found
 
 
-def mpirun(script, np=2, args=(), timeout=240, env=None, gpus=False):
-    """Runs `tests/workers/<script>` on `np` local processes with plain `mpirun` (no horovodrun).
+def mpirun(script, np=2, args=(), timeout=240, env=None, gpus=False, hostfile=None):
+    """Runs `tests/workers/<script>` on `np` processes with plain `mpirun` (no horovodrun).
 
     As under a scheduler that starts the ranks itself (`srun`, `mpirun`): Horovod finds
-    its peers through MPI alone. Same hard timeout and results as `horovodrun`.
+    its peers through MPI alone. `hostfile`: None runs them on this machine; a list of
+    `(host, slots)` of the test cluster writes an Open MPI hostfile and launches from
+    inside its first host. Same hard timeout and results as `horovodrun`.
     """
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), "--bind-to", "none",
-           "-x", "PYTHONPATH", "-x", "KB_RESULT_DIR", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PYTHONUNBUFFERED",
+    placement = ["--oversubscribe"]
+    if hostfile:
+        path = tempfile.mktemp(prefix="kb_hostfile_")
+        with open(path, "w") as handle:
+            handle.write("".join(f"{host} slots={slots}\n" for host, slots in hostfile))
+        # Open MPI picks the interface by itself; orted's tree spawn would ssh between hosts
+        placement = ["--hostfile", path, "--mca", "plm_rsh_no_tree_spawn", "1"]
+    env = dict(env or {})
+    forwarded = ["PYTHONPATH", "KB_RESULT_DIR", "TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED", "PATH",
+                 "KERAS_BOOST_COUNT_COLLECTIVES", *sorted(env)]
+    cmd = ["mpirun", "--allow-run-as-root", *placement, "-np", str(np), "--bind-to", "none",
+           *[arg for name in forwarded for arg in ("-x", name)],
            *([] if gpus else ["-x", "CUDA_VISIBLE_DEVICES"]), sys.executable, str(WORKERS / script), *map(str, args)]
-    return _launch(cmd, timeout, env, gpus)
+    return _launch(cmd, timeout, env, gpus, cluster=_cluster_for([host for host, _ in hostfile or ()]))
 
 
-def _launch(cmd, timeout, env, gpus):
-    """Runs a launcher command in its own process group; kills the whole group after `timeout` s."""
+def _launch(cmd, timeout, env, gpus, cluster=None):
+    """Runs a launcher command in its own process group; kills the whole group after `timeout` s.
+
+    With `cluster`, the command runs inside its first host (the cluster's ssh first on PATH),
+    and a timeout also kills every process left on its hosts."""
     full_env = dict(os.environ)
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
                      "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
@@ -102,25 +135,36 @@ def _launch(cmd, timeout, env, gpus):
     full_env.update(env or {})
     result_dir = tempfile.mkdtemp(prefix="kb_results_")
     full_env["KB_RESULT_DIR"] = result_dir
+    if cluster is not None:
+        full_env = cluster.env(full_env)
+        cmd = cluster.command(cluster.hosts[0], cmd)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill(proc, cluster)
         out, _ = proc.communicate()
         expired = subprocess.TimeoutExpired(cmd, timeout, output=out)
         expired.result_dir = result_dir  # what the workers recorded before the timeout
         raise expired
     except BaseException:  # e.g. pytest-timeout's own limit, or Ctrl-C: no worker may outlive the test
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(proc, cluster)
         raise
+    if cluster is not None:
+        cluster.kill_jobs()  # a worker on a host that lost its launcher
     completed = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     completed.result_dir = result_dir
     return completed
+
+
+def _kill(proc, cluster):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if cluster is not None:
+        cluster.kill_jobs()
 
 
 # ------------------------------------------------------------------ shared launches
@@ -138,9 +182,14 @@ def _launch(cmd, timeout, env, gpus):
 # workers, one scenario per launch): quicker when only a few of these tests run, as in
 # scripts/mutation_check.py, and for looking at one scenario alone.
 SEPARATE = os.environ.get("KB_TESTS_SEPARATE_LAUNCHES") == "1"
+# The shared launches run across the hosts of the test cluster (tests/cluster.py: network
+# namespaces with their own hostnames, addresses and sshd), as `hosts` says, launched from
+# inside the first host; where namespaces cannot be made (not root) they run on this
+# machine alone (`-H localhost:np`) and the tests that need several hosts skip.
 SHARED = {
-    "gloo": dict(np=2, controller="gloo", timeout=540, scenarios=[
+    "gloo": dict(np=2, controller="gloo", timeout=540, hosts=["kbh1:1", "kbh2:1"], scenarios=[
         ("mindspore_config", "mindspore_config", []),
+        ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
         ("accumulation_equivalence", "accumulation_equivalence", []),
@@ -154,7 +203,8 @@ SHARED = {
         ("mismatch", "mismatch", []),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
-    "mpi": dict(np=2, controller="mpi", timeout=480, scenarios=[
+    "mpi": dict(np=2, controller="mpi", timeout=480, hosts=["kbh1:1", "kbh2:1"], scenarios=[
+        ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
         ("accumulation_equivalence", "accumulation_equivalence", []),
@@ -164,7 +214,14 @@ SHARED = {
         ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
-    "mpi4": dict(np=4, controller="mpi", timeout=420, scenarios=[
+    "gloo4": dict(np=4, controller="gloo", timeout=420, hosts=["kbh1:2", "kbh2:2"], scenarios=[
+        ("topology", "topology", []),
+        ("train_equivalence", "train_equivalence", []),
+        ("adasum_training_2", "adasum_training", [2]),
+    ]),
+    "mpi4": dict(np=4, controller="mpi", timeout=420, hosts=["kbh1:2", "kbh2:2"], scenarios=[
+        ("topology", "topology", []),
+        ("train_equivalence", "train_equivalence", []),
         ("adasum_combine", "adasum_combine", [4]),
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_training_2", "adasum_training", [2]),
@@ -182,17 +239,23 @@ def _run_shared(launch, only=None):
     work = tempfile.mkdtemp(prefix=f"kb_shared_{launch}_")
     scenarios = [[name, module, [a.replace("{tmp}", work) if isinstance(a, str) else a for a in args]]
                  for name, module, args in _scenarios(launch, only)]
+    hosts = spec.get("hosts")
+    from tests.cluster import shared_cluster
+
+    if hosts and shared_cluster() is None:
+        hosts = None  # no namespaces here: this machine alone
     try:
         # a scenario that hangs in fit ends the launch after 120 s (keras_boost's stall timeout)
         # instead of at the launch's timeout; every scenario takes well under a minute
         completed = horovodrun("scenarios.py", np=spec["np"], controller=spec["controller"],
                                args=[json.dumps(scenarios)], timeout=spec["timeout"],
-                               env={"KERAS_BOOST_STALL_TIMEOUT": "120"})
+                               env={"KERAS_BOOST_STALL_TIMEOUT": "120"}, hosts=hosts)
     except subprocess.TimeoutExpired as expired:
         completed = subprocess.CompletedProcess(expired.cmd, f"killed after the {spec['timeout']} s timeout",
                                                 expired.output, None)
         completed.result_dir = expired.result_dir
     completed.work_dir = work
+    completed.hosts = hosts
     return completed, {rank: data for rank, data in results(completed).items()}
 
 
@@ -219,6 +282,12 @@ def shared(launch, scenario):
     if everything_ran:  # otherwise the failure is the failing scenario's test's
         assert completed.returncode == 0, f"every scenario finished, but the launch did not exit cleanly {tail}"
     return {rank: found[rank][scenario] for rank in ranks}
+
+
+def shared_hosts(launch):
+    """The `-H` hosts the shared launch `launch` ran on (after `shared(...)`), None on this machine alone."""
+    return _SHARED_RUNS[(launch, None) if (launch, None) in _SHARED_RUNS else
+                        next(key for key in _SHARED_RUNS if key[0] == launch)][0].hosts
 
 
 def shared_dir(launch, scenario):

@@ -5,7 +5,7 @@ import pytest
 
 from keras_boost import AdaSum
 from tests.helpers import classification_data, compile_sgd, mlp, weights
-from tests.launch import run_ok, shared
+from tests.launch import shared
 
 
 @pytest.mark.parametrize("np_, controller, device_number, backend", [
@@ -16,13 +16,9 @@ from tests.launch import run_ok, shared
 ])
 def test_adasum_training(np_, controller, device_number, backend):
     # scenarios of the shared launches (2 Gloo workers; 4 MPI workers, both device numbers in
-    # one launch); the 4-worker Gloo run has a launch of its own
-    if (np_, controller) == (2, "gloo"):
-        found = shared("gloo", f"adasum_training_{device_number}")
-    elif (np_, controller) == (4, "mpi"):
-        found = shared("mpi4", f"adasum_training_{device_number}")
-    else:
-        found = run_ok("adasum_training.py", np=np_, controller=controller, args=[device_number], timeout=300)
+    # one launch; 4 Gloo workers), across the hosts of the test cluster where it can be made
+    launch = {(2, "gloo"): "gloo", (4, "mpi"): "mpi4", (4, "gloo"): "gloo4"}[(np_, controller)]
+    found = shared(launch, f"adasum_training_{device_number}")
     for rank in range(np_):
         result = found[rank]
         assert result["backend"] == backend and result["groups"] == np_ // device_number
