@@ -1,7 +1,8 @@
 """keras_boost: MindSpore's boost features for Keras 3 on TensorFlow, distributed with Horovod.
 
 The public surface: `BoostModel`; the stages (`DynamicLossScale`, `FixedLossScale`,
-`GradientAccumulation`, `GradientFreeze`, `GradientCentralization`, `AdaSum`); the graph
+`GradientAccumulation`, `GradientFreeze`, `GradientCentralization`, `AdaSum`,
+`GradientCompression`, `HierarchicalAllreduce`); the graph
 rewrite (`LessBN`, `FNHead`); MindSpore's names and flows (`AutoBoost`, `FreezeOpt`,
 `freeze_cell`, `OptimizerProcess`, `ParameterProcess`, `BoostTrainOneStep`,
 `BoostTrainOneStepWithLossScale`); and the modules `distributed`, `callbacks`, `elastic`,
@@ -30,8 +31,10 @@ from keras_boost.model import BoostModel
 from keras_boost.stages.accumulation import GradientAccumulation
 from keras_boost.stages.adasum import AdaSum
 from keras_boost.stages.centralization import GradientCentralization
+from keras_boost.stages.compression import GradientCompression
 from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence,
                                        split_parameters_groups)
+from keras_boost.stages.hierarchical import HierarchicalAllreduce
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
 from keras_boost.step.loop import BoostTrainOneStep, BoostTrainOneStepWithLossScale
 from keras_boost.step.state import BoostState
@@ -56,7 +59,9 @@ __all__ = [
     "FreezeOpt",
     "GradientAccumulation",
     "GradientCentralization",
+    "GradientCompression",
     "GradientFreeze",
+    "HierarchicalAllreduce",
     "LessBN",
     "MINDSPORE_DEFAULTS",
     "OptimizerProcess",

@@ -21,11 +21,16 @@ anything: worker `local_rank` sees only GPU `local_rank` of its host, with memor
 (`gpu_for_worker` is the choice, `pin_gpu` applies it). `init(comm=...)` runs Horovod on
 an mpi4py communicator (or a list of world ranks), for keras_boost inside a larger MPI
 program.
+
+`init(fusion_threshold_mb=..., cycle_time_ms=..., autotune=...)` sets Horovod's tensor
+fusion, cycle time and autotuning before `hvd.init()` reads them; `communication()` says
+which values are in force (docs/communication.md).
 """
 
 import numbers
 import contextlib
 import os
+import re
 import weakref
 
 import tensorflow as tf
@@ -53,6 +58,8 @@ class _State:
     op_index = 0  # collectives named since the last restart
     boost_step_depth = 0  # > 0 while the boost step is traced (it averages by itself)
     comm = None  # the communicator given to init(comm=...)
+    process_sets = {}  # sorted ranks -> the Horovod process set registered for them
+    horovod_env = None  # the communication variables as hvd.init() read them
     gpu = None  # {"device", "local_rank", "local_size", "how"} once a GPU is pinned
 
 
@@ -102,7 +109,53 @@ def _stall_timeout_value(value):
     return seconds
 
 
-def init(comm=None, stall_timeout=None):
+# Horovod 0.28.1's defaults (horovod/common/operations.cc, BackgroundThreadLoop): what it uses
+# when the variables are unset.
+HOROVOD_FUSION_THRESHOLD_DEFAULT = 128 * 1024 * 1024  # bytes
+HOROVOD_CYCLE_TIME_DEFAULT_MS = 1.0  # 0 with HOROVOD_ENABLE_XLA_OPS=1
+_MIB = 1024 * 1024
+_COMMUNICATION_VARIABLES = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_AUTOTUNE",
+                            "HOROVOD_AUTOTUNE_LOG", "HOROVOD_ENABLE_XLA_OPS")
+
+
+def _check_non_negative(name, value, unit):
+    if value is None:
+        return None
+    allowed = f"None or a non-negative number ({unit})"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).")
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def communication_env(fusion_threshold_mb=None, cycle_time_ms=None, autotune=None, autotune_log=None):
+    """The Horovod variables `init(...)` sets for these options (None: leave the variable alone).
+
+    Pure and validating: `fusion_threshold_mb` (MiB, as horovodrun's --fusion-threshold-mb)
+    becomes HOROVOD_FUSION_THRESHOLD in bytes, `cycle_time_ms` HOROVOD_CYCLE_TIME,
+    `autotune` HOROVOD_AUTOTUNE ("1"/"0"), `autotune_log` (a path) HOROVOD_AUTOTUNE_LOG.
+    """
+    env = {}
+    if _check_non_negative("fusion_threshold_mb", fusion_threshold_mb, "MiB; 0 switches fusion off") is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(round(fusion_threshold_mb * _MIB)))
+    if _check_non_negative("cycle_time_ms", cycle_time_ms, "milliseconds") is not None:
+        env["HOROVOD_CYCLE_TIME"] = repr(float(cycle_time_ms))
+    if autotune is not None:
+        if not isinstance(autotune, bool):
+            raise TypeError(f"`autotune` must be None or a bool (True or False), got {autotune!r} "
+                            f"({type(autotune).__name__}).")
+        env["HOROVOD_AUTOTUNE"] = "1" if autotune else "0"
+    if autotune_log is not None:
+        if not isinstance(autotune_log, (str, os.PathLike)) or not os.fspath(autotune_log):
+            raise TypeError(f"`autotune_log` must be None or a file path (str or os.PathLike), got {autotune_log!r} "
+                            f"({type(autotune_log).__name__}).")
+        env["HOROVOD_AUTOTUNE_LOG"] = os.fspath(autotune_log)
+    return env
+
+
+def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_ms=None, autotune=None,
+         autotune_log=None):
     """Initialises Horovod when launched by `horovodrun`/`mpirun` (or given `comm`); a no-op otherwise.
 
     Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
@@ -123,20 +176,51 @@ def init(comm=None, stall_timeout=None):
             inspector: `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`,
             else `$HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, else 600 s; 0: never. Only the first
             call (the one that initialises) sets it.
+        fusion_threshold_mb: Horovod's tensor fusion buffer in MiB (`HOROVOD_FUSION_THRESHOLD`,
+            horovodrun's `--fusion-threshold-mb`): tensors ready in the same cycle are sent
+            together up to this size; 0 sends each tensor alone. Horovod's default: 128.
+        cycle_time_ms: how long Horovod's background thread waits between cycles of
+            negotiation and fusion (`HOROVOD_CYCLE_TIME`, `--cycle-time-ms`); longer means
+            fuller buffers, shorter means less latency. Horovod's default: 1 ms.
+        autotune: True lets Horovod tune the fusion threshold and cycle time (and its
+            hierarchical/caching switches) while training (`HOROVOD_AUTOTUNE`, `--autotune`);
+            False switches a launcher's autotuning off.
+        autotune_log: a CSV file where rank 0 logs the autotuning samples
+            (`HOROVOD_AUTOTUNE_LOG`, `--autotune-log-file`).
+
+    The communication options are checked at every call (`TypeError`/`ValueError`). None
+    keeps what the launcher or the environment set. They take effect in the call that
+    initialises Horovod; a later call that asks for other values than those in force is
+    a `RuntimeError`. Without a launcher there is no Horovod to configure: they are only
+    checked. `communication()` gives the values in force.
     """
     comm = _check_comm(comm)
+    settings = communication_env(fusion_threshold_mb, cycle_time_ms, autotune, autotune_log)
     if _state.initialized:
         if comm is not None and comm is not _state.comm and comm != _state.comm:
             raise RuntimeError("keras_boost.distributed is already initialised with another communicator; "
                                "call init(comm=...) once, before anything else uses keras_boost")
+        in_force = _state.horovod_env or {}
+        differing = {k: v for k, v in settings.items() if _state.hvd is not None and in_force.get(k) != v}
+        if differing:
+            raise RuntimeError(f"Horovod is already initialised, with {communication()}; the communication options "
+                               f"({differing}) take effect only in the first init() call: call "
+                               "keras_boost.distributed.init(...) first thing, before building or compiling a model")
         return
     _state.stall_timeout = _stall_timeout_value(stall_timeout)
     if launched() or comm is not None:
+        os.environ.update(settings)  # before hvd.init(), which reads them
+        _state.horovod_env = {name: os.environ.get(name) for name in _COMMUNICATION_VARIABLES}
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
         if _state.stall_timeout > 0:  # set before hvd.init(), which reads them
             shutdown = max(1, int(round(_state.stall_timeout)))
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(shutdown)
             os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(stall_check_seconds(shutdown))
+        from keras_boost.distributed.hosts import check_host_addresses
+
+        problem = check_host_addresses()  # Gloo would end the job with "connect [127.0.1.1]: refused"
+        if problem:
+            raise RuntimeError(f"keras_boost: {problem}")
         hvd = _import_horovod()
         if comm is None:
             hvd.init()
@@ -233,6 +317,52 @@ def stall_timeout():
     return _state.stall_timeout
 
 
+def _leading_int(text):
+    """C's strtol(text, nullptr, 10), as Horovod reads its integer variables (0 when none)."""
+    match = re.match(r"\s*([+-]?\d+)", text)
+    return int(match.group(1)) if match else 0
+
+
+def _leading_float(text):
+    """C's strtof(text, nullptr) for decimal numbers, as Horovod reads HOROVOD_CYCLE_TIME (0 when none)."""
+    match = re.match(r"\s*([+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)", text)
+    return float(match.group(1)) if match else 0.0
+
+
+def communication():
+    """Horovod's tensor fusion, cycle time and autotuning in force, for `keras-boost info`.
+
+    Read as Horovod 0.28.1 reads them at `hvd.init()`: from the environment (what
+    `init(...)`, horovodrun's options or the user set; as it was at `hvd.init()` once
+    Horovod runs), else Horovod's defaults (128 MiB fusion buffer, 1 ms cycle, or 0 ms with
+    `HOROVOD_ENABLE_XLA_OPS=1`; no autotuning). With autotuning on these are the starting
+    values; Horovod changes them while training.
+
+    Returns:
+        dict with "fusion_threshold_bytes", "fusion_threshold_mb", "cycle_time_ms",
+        "autotune", "autotune_log" (a path or None), "horovod" (whether Horovod runs in
+        this process) and "source" (for each value: "environment" or "Horovod default").
+    """
+    init()
+    read = _state.horovod_env if _state.hvd is not None and _state.horovod_env is not None else os.environ
+    env = {k: v for k, v in read.items() if k in _COMMUNICATION_VARIABLES and v is not None}
+    source = {}
+    if "HOROVOD_FUSION_THRESHOLD" in env:
+        fusion, source["fusion_threshold"] = _leading_int(env["HOROVOD_FUSION_THRESHOLD"]), "environment"
+    else:
+        fusion, source["fusion_threshold"] = HOROVOD_FUSION_THRESHOLD_DEFAULT, "Horovod default"
+    if "HOROVOD_CYCLE_TIME" in env:
+        cycle, source["cycle_time"] = _leading_float(env["HOROVOD_CYCLE_TIME"]), "environment"
+    else:
+        xla = env.get("HOROVOD_ENABLE_XLA_OPS", "").strip().lower() in ("1", "true", "y", "yes", "on")
+        cycle, source["cycle_time"] = (0.0 if xla else HOROVOD_CYCLE_TIME_DEFAULT_MS), "Horovod default"
+    autotune = "HOROVOD_AUTOTUNE" in env and _leading_int(env["HOROVOD_AUTOTUNE"]) > 0
+    source["autotune"] = "environment" if "HOROVOD_AUTOTUNE" in env else "Horovod default"
+    return {"fusion_threshold_bytes": fusion, "fusion_threshold_mb": fusion / _MIB, "cycle_time_ms": cycle,
+            "autotune": autotune, "autotune_log": env.get("HOROVOD_AUTOTUNE_LOG") if autotune else None,
+            "horovod": _state.hvd is not None, "source": source}
+
+
 def _hvd():
     init()
     return _state.hvd
@@ -268,6 +398,24 @@ def local_rank():
 def local_size():
     hvd = _hvd()
     return 1 if hvd is None else hvd.local_size()
+
+
+def cross_rank():
+    """This worker's host among the hosts (Horovod's cross rank; 0 in a single process)."""
+    hvd = _hvd()
+    return 0 if hvd is None else hvd.cross_rank()
+
+
+def cross_size():
+    """The number of hosts with a worker of this local rank (Horovod's cross size; 1 in a single process)."""
+    hvd = _hvd()
+    return 1 if hvd is None else hvd.cross_size()
+
+
+def is_homogeneous():
+    """Whether every host runs the same number of workers (True in a single process)."""
+    hvd = _hvd()
+    return True if hvd is None else bool(hvd.is_homogeneous())
 
 
 _SIZE_ENV = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
@@ -364,15 +512,72 @@ def restart_collective_names():
 
 
 def grouped_allreduce(tensors, average=True, process_set=None):
-    """Averages (or sums) a list of tensors across workers in one fused collective."""
+    """Averages (or sums) a list of tensors across workers in one fused collective per dtype.
+
+    Horovod fuses only tensors of one dtype (a grouped allreduce of mixed dtypes is an
+    error), so a list that mixes dtypes takes one collective per dtype, in order of first
+    appearance. bfloat16 tensors, which Horovod 0.28.1 cannot reduce, take one grouped
+    allgather instead (`_bfloat16_allreduce`).
+    """
     tensors = list(tensors)
     hvd = _hvd()
     if hvd is None or not tensors:
         return tensors
-    op = hvd.Average if average else hvd.Sum
     kwargs = {} if process_set is None else {"process_set": process_set}
-    reduced = hvd.grouped_allreduce(tensors, op=op, name=_name("allreduce"), **kwargs)
-    return _count(list(reduced))
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(_values_dtype(t), []).append(i)
+    reduced = [None] * len(tensors)
+    for dtype, positions in by_dtype.items():
+        group = [tensors[i] for i in positions]
+        if dtype == tf.bfloat16:
+            outputs = _bfloat16_allreduce(hvd, group, average, kwargs)
+        else:
+            op = hvd.Average if average else hvd.Sum
+            outputs = _count(list(hvd.grouped_allreduce(group, op=op, name=_name("allreduce"), **kwargs)))
+        for i, output in zip(positions, outputs):
+            reduced[i] = output
+    return reduced
+
+
+def _values_dtype(tensor):
+    return tensor.values.dtype if isinstance(tensor, tf.IndexedSlices) else tensor.dtype
+
+
+def _bfloat16_allreduce(hvd, tensors, average, kwargs):
+    """The mean (or sum) of bfloat16 tensors across workers, identical on every worker.
+
+    Horovod 0.28.1's allreduce takes uint8, int8, int32, int64, float16, float32 and float64
+    only; its allgather takes int16. Every worker gathers the others' bfloat16 bit patterns
+    (as int16, one grouped allgather) and sums them in float64 in rank order (no overflow,
+    no order dependence), then rounds the result to bfloat16. Received bytes per worker:
+    (workers - 1) x half the float32 size, against 2 (workers - 1) / workers x the float32
+    size for a ring allreduce of float32: fewer below 4 workers, as many at 4, more beyond.
+    """
+    dense = [tf.convert_to_tensor(t) for t in tensors]
+    flat = [tf.reshape(tf.bitcast(t, tf.int16), [1, -1]) for t in dense]
+    gathered = _count(list(hvd.grouped_allgather(flat, name=_name("allgather_bf16"), **kwargs)))
+    reduced = []
+    for tensor, rows in zip(dense, gathered):
+        values = tf.cast(tf.cast(tf.bitcast(rows, tf.bfloat16), tf.float32), tf.float64)
+        total = tf.reduce_sum(values, axis=0)
+        if average:
+            total = total / tf.cast(tf.shape(values)[0], tf.float64)
+        reduced.append(tf.reshape(tf.cast(tf.cast(total, tf.float32), tf.bfloat16), tf.shape(tensor)))
+    return reduced
+
+
+def reducescatter(tensor, process_set=None):
+    """Sums a 1-D tensor across the workers of `process_set` (default: all) and keeps this worker's part.
+
+    The length must be a multiple of the number of workers in the set; the i-th worker of
+    the set, in rank order, gets the i-th of the equal parts.
+    """
+    hvd = _hvd()
+    if hvd is None:
+        return tf.convert_to_tensor(tensor)
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return _count(hvd.reducescatter(tensor, op=hvd.Sum, name=_name("reducescatter"), **kwargs))
 
 
 def allreduce(tensor, average=True, process_set=None):
@@ -432,8 +637,19 @@ def allgather_object(obj, name):
 
 
 def add_process_set(ranks):
-    """Registers a Horovod process set over `ranks` (all workers must call it in the same order)."""
-    return horovod().add_process_set(list(ranks))
+    """The Horovod process set over `ranks`, registered on first use (every worker must ask in the same order).
+
+    Asking again for the same ranks returns the set already registered (Horovod refuses a
+    second registration), so several stages and models may share a process set.
+    """
+    hvd = horovod()
+    key = tuple(sorted(int(r) for r in ranks))
+    known = _state.process_sets.get(key)
+    if known is not None and known.process_set_id is not None:
+        return known
+    registered = hvd.add_process_set(list(key))
+    _state.process_sets[key] = registered
+    return registered
 
 
 def barrier():

@@ -7,7 +7,10 @@ A boost step is a loop over stages at fixed hook points (see docs/architecture.m
     -> gradients of the variables the step trains      (select_branch: freeze)
     -> local_gradients   (grads, indices)              loss scale: unscale
     -> window            (grads, indices)              accumulation: add; go on at a boundary
-    -> reduce            (grads, indices)              default: one fused allreduce; AdaSum: inside its group
+    -> encode            (grads, indices)              compression: cast to the wire dtype
+    -> reduce            (grads, indices)              default: one fused allreduce; AdaSum: inside its group;
+                                                       hierarchical: inside hosts, then across them
+    -> decode            (grads, indices)              compression: cast back
     -> agree_finite      (finite)                      AdaSum: all groups agree
     -> should_skip       (finite)                      loss scale, NaN guard: one decision for all workers
     -> transform         (grads, variables)            gradient centralization
@@ -60,8 +63,8 @@ class Window:
     close: object
 
 
-HOOKS = ("scale_loss", "local_gradients", "window", "reduce", "agree_finite", "should_skip", "transform",
-         "apply_update", "after_update", "select_branch", "logs")
+HOOKS = ("scale_loss", "local_gradients", "window", "encode", "reduce", "decode", "agree_finite", "should_skip",
+         "transform", "apply_update", "after_update", "select_branch", "logs")
 SINGLE_HOOKS = ("window", "reduce", "apply_update", "select_branch")
 
 
@@ -91,7 +94,22 @@ class Stage:
         """A `Window`, or None to go on with `grads` now."""
         return None
 
+    def encode(self, grads, indices):
+        """The gradients as they go over the wire, right before `reduce` (once per update).
+
+        E.g. compression casts them to float16. Every stage that overrides it runs, in
+        registry order; `decode` undoes it right after `reduce`, in reverse order.
+        """
+        return grads
+
     def reduce(self, grads, indices):
+        return grads
+
+    def decode(self, grads, indices):
+        """The reduced gradients back in the form the rest of the step expects, right after `reduce`.
+
+        E.g. compression casts them back to float32, before `agree_finite`/`should_skip` see them.
+        """
         return grads
 
     def agree_finite(self, finite):

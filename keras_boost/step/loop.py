@@ -6,7 +6,7 @@
 
     [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
     -> local_gradients -> [window: go on only at a boundary]
-    -> reduce (default: one fused allreduce; gradient_split_groups splits it)
+    -> encode -> reduce (default: one fused allreduce; gradient_split_groups splits it) -> decode
     -> [agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
 
@@ -364,7 +364,7 @@ class BoostTrainOneStep:
         if self.adasum is None:
             raise ValueError("adasum_process needs an AdaSum stage: make the step with adasum=True or AdaSum(...)")
         grads, indices = self._full_gradients(grads)
-        grads = self.adasum.reduce(grads, indices)
+        grads = self._communicate(grads, indices, self.adasum.reduce)
         variables = [self._variables[i] for i in indices]
         self.adasum.apply_update(self.optimizer, [tf.identity(g) for g in grads], variables)
         return loss
@@ -434,7 +434,7 @@ class BoostTrainOneStep:
 
     def _update(self, grads, indices):
         """Communicates once, decides for all workers whether to apply, applies, then after_update."""
-        grads = self._reduce(grads, indices)
+        grads = self._communicate(grads, indices, self._reduce)
         variables = [self._variables[i] for i in indices]
         finite = None
         if self._needs_finite:
@@ -449,6 +449,15 @@ class BoostTrainOneStep:
             run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))
         for stage in self._with("after_update"):
             stage.after_update()
+
+    def _communicate(self, grads, indices, reduce):
+        """`reduce` between the `encode` hooks (registry order) and the `decode` hooks (reverse order)."""
+        for stage in self._with("encode"):
+            grads = stage.encode(grads, indices)
+        grads = reduce(grads, indices)
+        for stage in reversed(self._with("decode")):
+            grads = stage.decode(grads, indices)
+        return grads
 
     def _reduce(self, grads, indices):
         reducing = self._with("reduce")

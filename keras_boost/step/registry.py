@@ -146,10 +146,13 @@ def _ensure_builtin():
     from keras_boost.stages.accumulation import GradientAccumulation
     from keras_boost.stages.adasum import AdaSum
     from keras_boost.stages.centralization import GradientCentralization
+    from keras_boost.stages.compression import GradientCompression
     from keras_boost.stages.freeze import FreezeSchedule
+    from keras_boost.stages.hierarchical import HierarchicalAllreduce
     from keras_boost.stages.loss_scale import LossScale
     from keras_boost.stages.nan_guard import NonFiniteGuard
 
     builtin = [_Entry(LossScale), _Entry(NonFiniteGuard, unless=("loss_scale",)), _Entry(GradientAccumulation),
-               _Entry(FreezeSchedule), _Entry(GradientCentralization), _Entry(AdaSum)]
+               _Entry(FreezeSchedule), _Entry(GradientCentralization), _Entry(AdaSum),
+               _Entry(GradientCompression), _Entry(HierarchicalAllreduce)]
     _ENTRIES[:0] = [e for e in builtin if e.cls.option not in [x.cls.option for x in _ENTRIES]]
