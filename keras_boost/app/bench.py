@@ -184,12 +184,14 @@ def plot(runs, levels, path):
 
 def child_command(argv, level, seed, result_path, np_workers, controller):
     """The command line of one run: this bench, one level and seed, writing its result to `result_path`."""
-    from keras_boost.app.launch import horovodrun_command, without_options
+    from keras_boost.app.launch import LAUNCH_OPTIONS, horovodrun_command, launch_target, without_options
 
+    # the launch options stay here: the run's workers get the command without them (a
+    # hostfile need not exist on the other hosts)
     own = [sys.executable, "-m", "keras_boost.app.cli",
-           *without_options(argv, ("--np", "--levels", "--seeds", "--seed", "--rounds", "--table", "--plot")),
+           *without_options(argv, (*LAUNCH_OPTIONS, "--levels", "--seeds", "--seed", "--rounds", "--table", "--plot")),
            "--levels", level, "--seed", str(seed), "--result-json", result_path]
-    return horovodrun_command(np_workers, controller, own[1:]) if np_workers > 1 else own
+    return horovodrun_command(np_workers, controller, own[1:]) if np_workers > 1 or launch_target()["hosts"] else own
 
 
 def run_bench(args, argv):

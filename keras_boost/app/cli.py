@@ -5,10 +5,22 @@ import json
 import subprocess
 import sys
 
-from keras_boost.app.launch import horovodrun_command, without_options
+from keras_boost.app import launch, preflight
+from keras_boost.app.launch import LAUNCH_OPTIONS, horovodrun_command, without_options
+
+# Options that choose where the workers run: the launcher uses them, the workers get none
+# (a --hostfile need not exist on the other hosts).
+
+
+def _preflight(args):
+    report = preflight.run_preflight(args.hosts, network_interface=args.network_interface, timeout=args.timeout)
+    print(json.dumps(report) if args.json else preflight.format_report(report), flush=True)
+    return 0 if report["ok"] else 1
 
 
 def _info(args):
+    if args.hosts:
+        return _preflight(args)
     from keras_boost import distributed
 
     caps = distributed.capabilities()
@@ -41,6 +53,11 @@ def _info(args):
         print("world size        1 (no launcher; run under horovodrun or mpirun for more)")
         print("AdaSum combine    native Horovod Adasum under an MPI launch with a power-of-two number of "
               "groups, the exact keras_boost fallback otherwise")
+    if caps["horovod"]:
+        comm = distributed.communication()
+        print(f"tensor fusion     {comm['fusion_threshold_mb']:g} MiB ({comm['source']['fusion_threshold']}), cycle "
+              f"{comm['cycle_time_ms']:g} ms ({comm['source']['cycle_time']}), autotune "
+              f"{'on' if comm['autotune'] else 'off'}; see docs/communication.md")
     return 0
 
 
@@ -54,6 +71,16 @@ def _positive_int(text):
     return value
 
 
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {value}")
+    return value
+
+
 def _positive_float(text):
     try:
         value = float(text)
@@ -64,9 +91,59 @@ def _positive_float(text):
     return value
 
 
+def _hosts_list(text):
+    try:
+        return launch.parse_hosts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _hostfile(path):
+    try:
+        return launch.parse_hostfile(path)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _interface(text):
+    if not text or any(c.isspace() or c in ",/:" for c in text):
+        raise argparse.ArgumentTypeError(f"expected one network interface name (e.g. eth0), got {text!r}")
+    return text
+
+
+def _add_host_options(parser, launching=True):
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", type=_hosts_list, default=None, metavar="HOST:SLOTS,...",
+                       help="hosts and their worker slots, horovodrun's -H (e.g. node1:4,node2:4)"
+                       + ("; --np defaults to the sum of the slots" if launching else ""))
+    where.add_argument("--hostfile", type=_hostfile, default=None, dest="hostfile", metavar="FILE",
+                       help=f"the hosts in a file: {launch.HOSTFILE_FORM}")
+    parser.add_argument("--network-interface", type=_interface, default=None, metavar="IFACE",
+                        help="the interface the workers talk over (horovodrun's --network-interface: Gloo's "
+                        "interface, Open MPI's btl_tcp_if_include, NCCL_SOCKET_IFNAME); default: the interface "
+                        "horovodrun finds on every host" if launching else
+                        "check that this interface is on every host, on one subnet")
+
+
+def _resolve_hosts(parser, args):
+    """One host list in `args.hosts` (from --hosts or --hostfile) and `args.np` resolved against it."""
+    args.hosts = args.hosts or args.hostfile
+    if hasattr(args, "np"):
+        try:
+            args.np = launch.resolve_np(args.np, args.hosts)
+        except ValueError as error:
+            getattr(parser, "subcommands", {}).get(args.command, parser).error(f"argument --np: {error}")
+
+
+def _launch_target(args):
+    return {"hosts": args.hosts, "network_interface": args.network_interface, "start_timeout": args.start_timeout}
+
+
 def _relaunch(args, argv):
-    """Runs this same command on `--np` local workers under horovodrun."""
-    cmd = horovodrun_command(args.np, args.controller, ["-m", "keras_boost.app.cli", *without_options(argv, ("--np",))])
+    """Runs this same command on `--np` workers under horovodrun (on `--hosts`, or this machine)."""
+    cmd = horovodrun_command(args.np, args.controller, ["-m", "keras_boost.app.cli",
+                                                        *without_options(argv, LAUNCH_OPTIONS)],
+                             **_launch_target(args))
     if cmd is None:
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
@@ -77,7 +154,7 @@ def _relaunch(args, argv):
 def _train(args, argv):
     from keras_boost import distributed
 
-    if args.np > 1 and not distributed.launched():
+    if (args.np > 1 or args.hosts) and not distributed.launched():
         return _relaunch(args, argv)
     from keras_boost.app.training import run_training
 
@@ -96,6 +173,7 @@ def _bench(args, argv):
     if args.np > 1 and horovodrun_command(args.np, args.controller, []) is None:
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
+    launch.set_launch_target(**_launch_target(args))  # every run's horovodrun (bench.child_command)
     table = bench.run_bench(args, argv)
     print(table)
     print(f"table: {args.table}\nplot: {args.plot}")
@@ -121,9 +199,25 @@ def _add_training_options(parser, epochs):
                         help="auto (default): float32 on CPUs and at O0; on GPUs at O1/O2 mixed_bfloat16 (compute "
                         "capability >= 8.0) or mixed_float16 with dynamic loss scaling (7.x); "
                         "see docs/getting-started.md")
-    parser.add_argument("--np", type=_positive_int, default=1, help="workers; > 1 launches horovodrun itself")
-    parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np")
+    parser.add_argument("--np", type=_positive_int, default=None, help="workers (default 1, or the sum of the "
+                        "slots of --hosts/--hostfile); > 1 launches horovodrun itself")
+    parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np "
+                        "(mpi: horovodrun --mpi, i.e. Open MPI's mpirun)")
+    _add_host_options(parser)
+    parser.add_argument("--start-timeout", type=_positive_int, default=None, metavar="SECONDS",
+                        help=f"horovodrun's --start-timeout: time for its ssh and network checks (default "
+                        f"{launch.HOSTS_START_TIMEOUT} with hosts, unless HOROVOD_START_TIMEOUT is set)")
     parser.add_argument("--seed", type=int, default=0)
+    comm = parser.add_argument_group("communication (docs/communication.md)")
+    comm.add_argument("--compression", choices=["none", "float16", "bfloat16"], default="none",
+                      help="gradients on the wire in this precision (decompressed before the update)")
+    comm.add_argument("--hierarchical-allreduce", action="store_true", help="reduce inside each host, then across "
+                      "hosts (for many workers per host)")
+    comm.add_argument("--fusion-threshold-mb", type=_non_negative_float, default=None,
+                      help="Horovod's tensor fusion buffer (HOROVOD_FUSION_THRESHOLD; default 128 MiB)")
+    comm.add_argument("--cycle-time-ms", type=_non_negative_float, default=None,
+                      help="Horovod's cycle time (HOROVOD_CYCLE_TIME; default 1 ms)")
+    comm.add_argument("--autotune", action="store_true", default=None, help="Horovod's autotuning of the two above")
 
 
 def build_parser():
@@ -134,8 +228,13 @@ def build_parser():
         "and `keras-boost bench` to compare the levels O0/O1/O2 side by side.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, Horovod build features, AdaSum backend, world size")
+    info = sub.add_parser("info", help="versions, Horovod build features, AdaSum backend, world size; with "
+                          "--hosts: a preflight check of every host before a multi-host launch")
     info.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_host_options(info, launching=False)
+    info.add_argument("--timeout", type=_positive_float, default=preflight.DEFAULT_TIMEOUT, metavar="SECONDS",
+                      help=f"with --hosts: seconds one host's check may take (default {preflight.DEFAULT_TIMEOUT:g}; "
+                      f"ssh connects in {preflight.CONNECT_TIMEOUT} s at most)")
 
     train = sub.add_parser("train", help="train a model on a dataset at a boost level")
     _add_training_options(train, epochs=2)
@@ -157,12 +256,15 @@ def build_parser():
     bench.add_argument("--raw", default=None, help="also write every run (epoch and step times, test accuracy "
                        "per epoch, boost report) to this file, one JSON object per line")
     bench.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
+    parser.subcommands = {"info": info, "train": train, "bench": bench}  # their own usage in errors
     return parser
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _resolve_hosts(parser, args)
     commands = {"info": lambda: _info(args), "train": lambda: _train(args, argv), "bench": lambda: _bench(args, argv)}
     return commands[args.command]()
 

@@ -1,8 +1,21 @@
-"""Command lines of the keras-boost command: options removed, horovodrun in front."""
+"""Command lines of the keras-boost command: options removed, horovodrun in front, hosts parsed."""
 
 import os
+import re
 import shutil
 import sys
+
+HOSTS_FORM = "HOST:SLOTS[,HOST:SLOTS...] (e.g. node1:4,node2:4)"
+HOSTFILE_FORM = "one host a line, `HOST slots=N` (horovodrun's and Open MPI's form) or `HOST:N`; # comments"
+# Seconds horovodrun may spend checking ssh and finding the common network interface of
+# the hosts before it gives up (its own default, 30 s, is short for hosts that import a
+# Python environment from a network file system).
+HOSTS_START_TIMEOUT = 120
+
+_HOST = r"[A-Za-z0-9_.\-]+"  # a host name or an IPv4 address (horovodrun splits `-H` at ":")
+_HOSTS_ENTRY = re.compile(rf"^({_HOST}):(\d+)$")
+_HOSTFILE_SLOTS = re.compile(rf"^({_HOST})\s+slots\s*=\s*(\d+)(?:\s+max[_-]slots\s*=\s*\d+)?$")
+_HOSTFILE_BARE = re.compile(rf"^({_HOST})$")
 
 
 def without_options(argv, names):
@@ -19,12 +32,136 @@ def without_options(argv, names):
     return cleaned
 
 
-def horovodrun_command(np_workers, controller, arguments):
-    """`horovodrun -np N -H localhost:N --<controller> python <arguments>`, or None without horovodrun."""
+def _entry(host, slots, where):
+    count = int(slots)
+    if count < 1:
+        raise ValueError(f"{where}: {host} has {count} slots; a host needs at least 1")
+    return host, count
+
+
+def _no_repeats(hosts, where):
+    seen = set()
+    for host, _ in hosts:
+        if host in seen:
+            raise ValueError(f"{where}: {host} is listed twice; list each host once with all its slots")
+        seen.add(host)
+    return hosts
+
+
+def parse_hosts(text):
+    """`"h1:2,h2:2"` -> [("h1", 2), ("h2", 2)]; ValueError naming the value and the form expected."""
+    entries = [part.strip() for part in str(text).split(",")]
+    hosts = []
+    for part in entries:
+        match = _HOSTS_ENTRY.match(part)
+        if not match:
+            raise ValueError(f"expected {HOSTS_FORM}, got {text!r}"
+                             + (f" ({part!r} has no :SLOTS)" if part and ":" not in part else ""))
+        hosts.append(_entry(match.group(1), match.group(2), f"--hosts {text!r}"))
+    return _no_repeats(hosts, f"--hosts {text!r}")
+
+
+def parse_hostfile_text(text, name="hostfile"):
+    """A hostfile's text -> [(host, slots)]: `host slots=N`, `host:N` or `host` (1 slot) a line."""
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{name} line {number}"
+        match = _HOSTFILE_SLOTS.match(line) or _HOSTS_ENTRY.match(line)
+        if match:
+            hosts.append(_entry(match.group(1), match.group(2), where))
+        elif _HOSTFILE_BARE.match(line):
+            hosts.append((line, 1))
+        else:
+            raise ValueError(f"{where}: expected {HOSTFILE_FORM}, got {raw.strip()!r}")
+    if not hosts:
+        raise ValueError(f"{name} names no host; expected {HOSTFILE_FORM}")
+    return _no_repeats(hosts, name)
+
+
+def parse_hostfile(path):
+    """The hosts of the file at `path` (see `parse_hostfile_text`)."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ValueError(f"cannot read the hostfile {path!r}: {error.strerror or error}") from None
+    return parse_hostfile_text(text, name=f"hostfile {path!r}")
+
+
+def hosts_argument(hosts):
+    """[("h1", 2), ("h2", 2)] -> "h1:2,h2:2" (horovodrun's and mpirun's `-H`)."""
+    return ",".join(f"{host}:{slots}" for host, slots in hosts)
+
+
+def total_slots(hosts):
+    return sum(slots for _, slots in hosts)
+
+
+def resolve_np(np_workers, hosts):
+    """The number of workers: `--np`, or the sum of the slots when hosts are given.
+
+    Raises ValueError when `--np` asks for more workers than the hosts have slots.
+    """
+    if not hosts:
+        return 1 if np_workers is None else np_workers
+    slots = total_slots(hosts)
+    if np_workers is None:
+        return slots
+    if np_workers > slots:
+        raise ValueError(f"--np {np_workers} is more than the {slots} slot(s) of the hosts "
+                         f"({hosts_argument(hosts)}); lower --np or give the hosts more slots")
+    return np_workers
+
+
+# A `keras-boost bench` launches one horovodrun per run from bench.py; the hosts it should
+# use are set once for the process here (explicit arguments of `horovodrun_command` win).
+_target = {"hosts": None, "network_interface": None, "start_timeout": None}
+
+
+# the options of a launch, which the launched workers do not get
+LAUNCH_OPTIONS = ("--np", "--hosts", "--hostfile", "--network-interface", "--start-timeout")
+
+
+def launch_target():
+    return dict(_target)
+
+
+def set_launch_target(hosts=None, network_interface=None, start_timeout=None):
+    """The hosts, interface and start timeout that `horovodrun_command` uses by default."""
+    _target.update(hosts=list(hosts) if hosts else None, network_interface=network_interface,
+                   start_timeout=start_timeout)
+
+
+def horovodrun_path():
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(horovodrun):
         horovodrun = shutil.which("horovodrun")
+    return horovodrun
+
+
+def horovodrun_command(np_workers, controller, arguments, hosts=None, network_interface=None, start_timeout=None):
+    """`horovodrun -np N -H <hosts> --<controller> python <arguments>`, or None without horovodrun.
+
+    `hosts`: [(host, slots)] (default: this machine, `localhost:N`); `network_interface`:
+    horovodrun's `--network-interface` (Gloo's interface, Open MPI's `btl_tcp_if_include`
+    and NCCL's socket interface); `start_timeout`: horovodrun's `--start-timeout` (default
+    HOSTS_START_TIMEOUT with hosts, unless HOROVOD_START_TIMEOUT is set; horovodrun's own
+    30 s on this machine alone).
+    """
+    horovodrun = horovodrun_path()
     if horovodrun is None:
         return None
-    return [horovodrun, "-np", str(np_workers), "-H", f"localhost:{np_workers}", f"--{controller}",
-            sys.executable, *arguments]
+    hosts = hosts or _target["hosts"]
+    network_interface = network_interface or _target["network_interface"]
+    start_timeout = start_timeout or _target["start_timeout"]
+    if hosts and start_timeout is None and "HOROVOD_START_TIMEOUT" not in os.environ:
+        start_timeout = HOSTS_START_TIMEOUT
+    command = [horovodrun, "-np", str(np_workers), "-H", hosts_argument(hosts) if hosts else f"localhost:{np_workers}"]
+    if network_interface:
+        command += ["--network-interface", network_interface]
+    if start_timeout:
+        command += ["--start-timeout", str(int(start_timeout))]
+    return [*command, f"--{controller}", sys.executable, *arguments]

@@ -1,6 +1,7 @@
 """The recipes behind `keras-boost train` and `keras-boost bench`: data, model, level, fit."""
 
 import os
+import socket
 import time
 
 import keras
@@ -65,7 +66,9 @@ def _boost_config(args, updates):
 
 def prepare(args):
     """Data shards for this worker, the BoostModel at the requested level, compiled."""
-    distributed.init()  # first: pins this worker's GPU before TensorFlow touches any
+    # first: pins this worker's GPU before TensorFlow touches any; Horovod's fusion and cycle time
+    distributed.init(fusion_threshold_mb=getattr(args, "fusion_threshold_mb", None),
+                     cycle_time_ms=getattr(args, "cycle_time_ms", None), autotune=getattr(args, "autotune", None))
     keras.config.set_dtype_policy(resolve_precision(args.precision, args.level))
     rank, size = distributed.rank(), distributed.size()
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed)
@@ -85,6 +88,8 @@ def prepare(args):
         metrics=["accuracy"],
         loss_scale="dynamic" if args.loss_scale == "dynamic" else None,
         gradient_accumulation=args.accumulation if args.accumulation > 1 else None,
+        compression=None if getattr(args, "compression", "none") == "none" else args.compression,
+        hierarchical_allreduce=bool(getattr(args, "hierarchical_allreduce", False)) or None,
     )
     return model, (x_train, y_train), (x_test, y_test)
 
@@ -128,9 +133,11 @@ def run_training(args):
                         steps_per_epoch=args.steps_per_epoch, shuffle=True, callbacks=callbacks)
     wall = time.perf_counter() - start
     test = model.evaluate(x_test, y_test, batch_size=256, return_dict=True)
+    hosts = distributed.allgather_object(socket.gethostname(), name="keras_boost.worker_hosts")
     return {
         "model": args.model,
         "workers": distributed.size(),
+        "hosts": hosts,  # each worker's hostname, in rank order
         "epochs": args.epochs,
         "train_loss": round(float(history.history["loss"][-1]), 4),
         "test_accuracy": round(float(test["accuracy"]), 4),

@@ -4,8 +4,9 @@
 launcher, with more than one worker). It runs **one** small collective (an allgather of a
 Python object) that carries, from every worker:
 
-- a fingerprint of what must be the same everywhere: the model class, the shape and
-  dtype of every variable, the compile configuration (optimizer, loss, metrics, boost
+- a fingerprint of what must be the same everywhere: the versions of Python, TensorFlow,
+  Keras, Horovod and keras_boost (hosts installed apart drift), the model class, the
+  shape and dtype of every variable, the compile configuration (optimizer, loss, metrics, boost
   options, `steps_per_execution`), and the `fit` arguments that decide how many
   collectives a worker runs (`batch_size`, `epochs`, `initial_epoch`, `steps_per_epoch`,
   validation or not, `validation_freq`, `validation_steps`). A difference raises the same
@@ -36,6 +37,8 @@ workers, each weighted by its true sample count.
 
 import json
 import math
+import platform
+import socket
 
 import keras
 import numpy as np
@@ -63,8 +66,30 @@ def _short(value, limit=160):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+_VERSION_NAMES = {"python": "Python", "tensorflow": "TensorFlow", "keras": "Keras", "horovod": "Horovod",
+                  "keras_boost": "keras_boost"}
+
+
+def package_versions():
+    """The versions that must agree across workers: Python, TensorFlow, Keras, Horovod, keras_boost."""
+    from keras_boost import __version__
+
+    try:
+        import horovod
+
+        horovod_version = horovod.__version__
+    except ImportError:  # pragma: no cover - a launch without Horovod has one worker
+        horovod_version = None
+    return {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
+            "horovod": horovod_version, "keras_boost": __version__}
+
+
 def fingerprint(model, fit_args):
-    """What must be identical on every worker for `fit` to be well-defined (JSON-able)."""
+    """What must be identical on every worker for `fit` to be well-defined (JSON-able).
+
+    `host` (the worker's hostname) is carried to name where a differing version was
+    found; it is not compared.
+    """
     compile_config = {}
     try:
         config = model.get_compile_config() or {}
@@ -80,7 +105,8 @@ def fingerprint(model, fit_args):
     for key, value in config.items():
         compile_config[key] = json.dumps(_strip_names(value), sort_keys=True, default=repr)
     variables = [[v.path, list(map(int, v.shape)), str(v.dtype)] for v in model.variables] if model.built else None
-    return {"model": type(model).__name__, "variables": variables, "compile": compile_config,
+    return {"versions": package_versions(), "host": socket.gethostname(),
+            "model": type(model).__name__, "variables": variables, "compile": compile_config,
             "fit": {k: fit_args.get(k) for k in ("batch_size", "epochs", "initial_epoch", "steps_per_epoch",
                                                   "validation", "validation_freq", "validation_steps")}}
 
@@ -107,6 +133,12 @@ def _differences(prints):
     base = prints[0]
     found = []
     for rank, other in enumerate(prints[1:], start=1):
+        mine, theirs = base.get("versions") or {}, other.get("versions") or {}
+        for key in [k for k in _VERSION_NAMES if k in mine or k in theirs]:
+            if mine.get(key) != theirs.get(key):
+                found.append(f"{_VERSION_NAMES[key]} version: rank 0 (host {base.get('host')}) has {mine.get(key)}, "
+                             f"rank {rank} (host {other.get('host')}) has {theirs.get(key)}; install the same "
+                             "versions on every host")
         if other["model"] != base["model"]:
             found.append(f"model class: rank 0 has {base['model']}, rank {rank} has {other['model']}")
         a, b = base["variables"], other["variables"]

@@ -18,7 +18,6 @@
 import contextlib
 import logging
 import os
-import sys
 import warnings
 
 import keras
@@ -154,17 +153,15 @@ class BoostProgbarLogger(keras.callbacks.ProgbarLogger):
 
 
 def launcher_verbose(verbose):
-    """'auto' is one line per epoch (2) under a launcher whose output is not a terminal."""
-    if verbose == "auto" and distributed.launched() and not _is_terminal(sys.stdout):
+    """'auto' is one line per epoch (2) under any launcher; an explicit verbose=1 keeps the bar.
+
+    Whether stdout is a terminal says nothing there: Open MPI gives every rank a
+    pseudo-terminal, and horovodrun prefixes every line with `[rank]<stdout>:`, so a bar
+    that redraws itself would print one mangled line per batch.
+    """
+    if verbose == "auto" and distributed.launched():
         return 2
     return verbose
-
-
-def _is_terminal(stream):
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def progress_callbacks(model, callbacks, verbose):
