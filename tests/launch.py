@@ -47,7 +47,7 @@ def horovodrun(script, np=2, controller="gloo", args=(), timeout=240, env=None, 
     """Runs `tests/workers/<script>` on `np` processes; returns the CompletedProcess.
 
     `hosts`: None runs every worker on this machine (`-H localhost:np`); a list such as
-    `["kbh1:2", "kbh2:2"]` runs them on the hosts of the test cluster (tests/cluster.py),
+    `["kbt1:2", "kbt2:2"]` runs them on the hosts of the test cluster (tests/cluster.py),
     launched from inside the first host, as on a real cluster. The whole process group is
     killed after `timeout` seconds (and every process on the cluster's hosts), so a hung
     worker can never hang the suite; the call then raises `subprocess.TimeoutExpired`.
@@ -86,9 +86,10 @@ def results(completed):
     return found
 
 
-def run_ok(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False):
+def run_ok(script, np=2, controller="gloo", args=(), timeout=240, env=None, gpus=False, hosts=None):
     """Runs the workers, asserts a clean exit and one result per rank; returns the results."""
-    completed = horovodrun(script, np=np, controller=controller, args=args, timeout=timeout, env=env, gpus=gpus)
+    completed = horovodrun(script, np=np, controller=controller, args=args, timeout=timeout, env=env, gpus=gpus,
+                           hosts=hosts)
     assert completed.returncode == 0, completed.stdout[-6000:]
     found = results(completed)
     assert sorted(found) == list(range(np)), completed.stdout[-6000:]
@@ -183,11 +184,11 @@ def _kill(proc, cluster):
 # scripts/mutation_check.py, and for looking at one scenario alone.
 SEPARATE = os.environ.get("KB_TESTS_SEPARATE_LAUNCHES") == "1"
 # The shared launches run across the hosts of the test cluster (tests/cluster.py: network
-# namespaces with their own hostnames, addresses and sshd), as `hosts` says, launched from
+# namespaces with their own hostnames, addresses and sshd), `slots[i]` workers on host i, launched from
 # inside the first host; where namespaces cannot be made (not root) they run on this
 # machine alone (`-H localhost:np`) and the tests that need several hosts skip.
 SHARED = {
-    "gloo": dict(np=2, controller="gloo", timeout=540, hosts=["kbh1:1", "kbh2:1"], scenarios=[
+    "gloo": dict(np=2, controller="gloo", timeout=540, slots=[1, 1], scenarios=[
         ("mindspore_config", "mindspore_config", []),
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
@@ -199,11 +200,12 @@ SHARED = {
         ("resume", "resume", ["{tmp}"]),
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_combine", "adasum_combine", [12]),
+        ("compression", "compression", []),
         ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
-    "mpi": dict(np=2, controller="mpi", timeout=480, hosts=["kbh1:1", "kbh2:1"], scenarios=[
+    "mpi": dict(np=2, controller="mpi", timeout=480, slots=[1, 1], scenarios=[
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
@@ -214,17 +216,20 @@ SHARED = {
         ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
-    "gloo4": dict(np=4, controller="gloo", timeout=420, hosts=["kbh1:2", "kbh2:2"], scenarios=[
+    "gloo4": dict(np=4, controller="gloo", timeout=420, slots=[2, 2], scenarios=[
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
         ("adasum_training_2", "adasum_training", [2]),
+        ("hierarchical", "hierarchical", [2]),
     ]),
-    "mpi4": dict(np=4, controller="mpi", timeout=420, hosts=["kbh1:2", "kbh2:2"], scenarios=[
+    "mpi4": dict(np=4, controller="mpi", timeout=420, slots=[2, 2], scenarios=[
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
+        ("hierarchical", "hierarchical", [2]),
         ("adasum_combine", "adasum_combine", [4]),
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_training_2", "adasum_training", [2]),
+        ("hierarchical", "hierarchical", [2]),
     ]),
 }
 _SHARED_RUNS = {}
@@ -239,11 +244,11 @@ def _run_shared(launch, only=None):
     work = tempfile.mkdtemp(prefix=f"kb_shared_{launch}_")
     scenarios = [[name, module, [a.replace("{tmp}", work) if isinstance(a, str) else a for a in args]]
                  for name, module, args in _scenarios(launch, only)]
-    hosts = spec.get("hosts")
     from tests.cluster import shared_cluster
 
-    if hosts and shared_cluster() is None:
-        hosts = None  # no namespaces here: this machine alone
+    made = shared_cluster() if spec.get("slots") else None
+    # no namespaces here: this machine alone
+    hosts = [f"{host}:{n}" for host, n in zip(made.hosts, spec["slots"])] if made is not None else None
     try:
         # a scenario that hangs in fit ends the launch after 120 s (keras_boost's stall timeout)
         # instead of at the launch's timeout; every scenario takes well under a minute

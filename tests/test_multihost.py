@@ -2,7 +2,7 @@
 
 The cluster (tests/cluster.py) is made once per test session; jobs are launched from inside
 its first host, as on a real cluster. The shared launches of tests/launch.py run across
-its hosts (`gloo`, `mpi`: kbh1:1,kbh2:1; `gloo4`, `mpi4`: kbh1:2,kbh2:2), so every scenario
+its hosts (`gloo`, `mpi`: 1 worker on each of 2 hosts; `gloo4`, `mpi4`: 2 on each), so every scenario
 there (equivalence to one process, overflow agreement, accumulation, freezing, AdaSum,
 uneven data, mismatched workers, ...) crosses a real network; the tests here check the
 placement itself and what only several hosts have: plain `mpirun` with a hostfile over
@@ -11,13 +11,13 @@ Skipped with the reason where namespaces cannot be made (not root).
 """
 
 import json
+import sys
 
 import pytest
 
-from tests.launch import mpirun, results, shared, shared_hosts
+from tests.launch import WORKERS, _launch, horovodrun, horovodrun_command, mpirun, results, run_ok, shared, shared_hosts
 
-PLACEMENTS = {"gloo": [("kbh1", 1), ("kbh2", 1)], "mpi": [("kbh1", 1), ("kbh2", 1)],
-              "gloo4": [("kbh1", 2), ("kbh2", 2)], "mpi4": [("kbh1", 2), ("kbh2", 2)]}
+SLOTS = {"gloo": [1, 1], "mpi": [1, 1], "gloo4": [2, 2], "mpi4": [2, 2]}
 
 
 def expected_topology(placement):
@@ -49,9 +49,12 @@ def check_topology(found, placement, controller):
 @pytest.mark.parametrize("launch", ["gloo", "mpi", "gloo4", "mpi4"])
 def test_workers_run_on_the_hosts_asked_for(launch):
     found = shared(launch, "topology")
-    if shared_hosts(launch) is None:
+    hosts = shared_hosts(launch)
+    if hosts is None:
         pytest.skip("the shared launches ran on this machine alone: no namespaces here")
-    check_topology(found, PLACEMENTS[launch], "mpi" if launch.startswith("mpi") else "gloo")
+    placement = [(host.split(":")[0], int(host.split(":")[1])) for host in hosts]
+    assert [n for _, n in placement] == SLOTS[launch]
+    check_topology(found, placement, "mpi" if launch.startswith("mpi") else "gloo")
 
 
 @pytest.mark.parametrize("launch", ["gloo4", "mpi4"])
@@ -97,3 +100,87 @@ def test_plain_mpirun_with_a_hostfile_over_four_hosts(cluster):
         assert equivalence[rank]["diff"] < 1e-5, equivalence[rank]
         assert equivalence[rank]["digest"] == equivalence[0]["digest"]
     assert equivalence[0]["iterations"] == 8
+
+
+# ------------------------------------------------------------------ elastic
+def test_elastic_run_survives_a_host_leaving_and_takes_in_a_new_one(cluster, tmp_path):
+    """horovodrun's elastic mode across hosts with a host discovery script: host 2 leaves the
+    host list mid-run (rank 0 rewrites the file), rank 0 trains alone, then host 3 is added and
+    its worker joins; the run finishes every epoch with the weights of exactly the committed
+    batches (a plain Keras model replaying them), bit-identical on both workers."""
+    first, leaving, joining = cluster.hosts[:3]
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(f"{first}:1\n{leaving}:1\n")
+    plan = {"hosts": str(hosts_file), "remove_at": 10, "after_remove": f"{first}:1\n",
+            "after_wait": f"{first}:1\n{joining}:1\n"}
+    env = {"KB_ELASTIC_HOSTS": str(hosts_file), "KB_ELASTIC_PLAN": json.dumps(plan),
+           "KB_ELASTIC_MARKER": str(tmp_path / "removed"), "KB_ELASTIC_EPOCHS": "4", "KB_ELASTIC_KILL_AT": "0",
+           "KB_ELASTIC_ALONE": "6", "KB_ELASTIC_WAIT_S": "90",
+           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
+    cmd = [*horovodrun_command(), "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", f"sh {WORKERS / 'elastic_discover.sh'}", "--gloo", "--start-timeout", "60",
+           "--elastic-timeout", "60", sys.executable, str(WORKERS / "elastic_train.py")]
+    completed = _launch(cmd, 240, env, False, cluster=cluster)
+    out = completed.stdout[-6000:]
+    assert completed.returncode == 0, out
+    assert f"rank 0 sets the hosts to ['{first}:1']" in completed.stdout, out
+    found = results(completed)
+    assert sorted(found) == [0, 1], out  # host 3's worker joined: two at the end
+    assert (found[0]["hostname"], found[1]["hostname"]) == (first, joining), found
+    assert not found[0]["joined_late"] and found[1]["joined_late"]
+    for rank in (0, 1):
+        assert found[rank]["epochs"] == 4 and found[rank]["size"] == 2
+        assert found[rank]["reference_diff"] < 1e-4, found[rank]  # nothing lost twice, nothing applied twice
+    assert found[0]["digest"] == found[1]["digest"]  # weights and optimizer state bit-identical
+    assert found[0]["log"] == found[1]["log"]
+    assert {samples for _, samples in found[0]["log"]} == {16, 32}  # trained alone and with two hosts
+
+
+# ------------------------------------------------------------------ faults
+def test_a_host_that_drops_off_ends_the_job_and_a_relaunch_resumes(cluster, tmp_path):
+    """Host 2's link goes down mid-run (after the backup of epoch 1): the Gloo job ends within the
+    stall bound with an error naming rank 1 and its host, leaves only whole backups, and a relaunch
+    with the link up resumes at epoch 2 to exactly the weights of an uninterrupted run."""
+    import threading
+    import time
+
+    backup, marker = tmp_path / "backup", tmp_path / "link"
+    hosts, lost = [f"{host}:1" for host in cluster.hosts[:2]], cluster.hosts[1]
+    stall = 20
+    env = {"KB_LINK_MARKER": str(marker), "KERAS_BOOST_STALL_TIMEOUT": str(stall)}
+    down_at = {}
+
+    def take_the_link_down():
+        deadline = time.monotonic() + 200
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if marker.exists():
+            cluster.link(lost, up=False)
+            down_at["time"] = time.time()
+            (tmp_path / "link.down").write_text("down")
+
+    cutter = threading.Thread(target=take_the_link_down, daemon=True)
+    cutter.start()
+    try:
+        completed = horovodrun("host_lost.py", np=2, controller="gloo", args=["train", backup], timeout=240, env=env,
+                               hosts=hosts)
+    finally:
+        cutter.join(timeout=5)
+        cluster.link(lost, up=True)
+    ended = time.time()
+    out = completed.stdout
+    assert completed.returncode != 0, out[-6000:]
+    assert "time" in down_at, out[-6000:]
+    assert results(completed) == {}, out[-6000:]  # no rank finished training
+    assert f"nothing heard from rank 1 on {lost}" in out, out[-6000:]
+    # the stall bound, the heartbeat that names the silent host and the launcher's own end
+    assert ended - down_at["time"] < stall + 45, ended - down_at["time"]
+    # only whole files in the backup folder: BackupAndRestore writes a temporary file and renames it
+    assert not [p for p in backup.rglob("*") if p.is_file() and (".tmp" in p.name or p.stat().st_size == 0)]
+
+    cluster.wait_ssh(lost)
+    found = run_ok("host_lost.py", np=2, controller="gloo", args=["resume", backup], timeout=240, hosts=hosts)
+    for rank in (0, 1):
+        assert found[rank]["epochs"] == [2, 3], found[rank]  # epochs 0 and 1 were backed up whole
+        assert found[rank]["resumed"] == found[rank]["uninterrupted"]  # bit-identical to no fault at all
+    assert found[0]["resumed"] == found[1]["resumed"]

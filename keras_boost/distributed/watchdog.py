@@ -21,6 +21,7 @@ guards end such a job within a bounded time (`distributed.init(stall_timeout=...
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -44,15 +45,28 @@ class _KeyValueStore:
     def available(self):
         return bool(self.addr and self.port)
 
-    def put(self, key, value):
-        from horovod.runner.http.http_client import put_data_into_kvstore
+    # Horovod's own client (horovod.runner.http.http_client) waits without a bound; a worker
+    # whose host lost its link would block in it instead of ending its process.
+    TIMEOUT = 3.0
 
-        put_data_into_kvstore(self.addr, self.port, _SCOPE, key, value)
+    def _url(self, key):
+        return f"http://{self.addr}:{self.port}/{_SCOPE}/{key}"
+
+    def put(self, key, value):
+        from urllib.request import Request, urlopen
+
+        from horovod.runner.common.util import codec
+
+        request = Request(self._url(key), data=codec.dumps_base64(value, to_ascii=False), method="PUT")
+        urlopen(request, timeout=self.TIMEOUT).close()
 
     def get(self, key):
-        from horovod.runner.http.http_client import read_data_from_kvstore
+        from urllib.request import urlopen
 
-        return read_data_from_kvstore(self.addr, self.port, _SCOPE, key)
+        from horovod.runner.common.util import codec
+
+        with urlopen(self._url(key), timeout=self.TIMEOUT) as response:
+            return codec.loads_base64(response.read())
 
 
 class _Progress:
@@ -178,45 +192,70 @@ class StallWatchdog(keras.callbacks.Callback):
         self._original_train_function = None
 
 
+def heartbeat_seconds(fire_after):
+    """How often a worker republishes its position even when it has not moved (a sign of life)."""
+    return max(1.0, min(10.0, fire_after / 6))
+
+
 def _watch(progress, stop, fire_after, timeout, rank, size, store):
     poll = max(0.2, min(2.0, fire_after / 10))
-    published = -1
-    while not stop.wait(poll):
+    published, published_at = -1, 0.0
+    host = socket.gethostname()
+    beat = heartbeat_seconds(fire_after)
+    first = True  # publish at once: every rank's host is in the store from the start of fit
+    while first or not stop.wait(poll):
+        first = False
         where, steps, since, version = progress.read()
-        if store.available and version != published:
+        if store.available and (version != published or time.monotonic() - published_at >= beat):
             try:
-                store.put(f"rank{rank}", json.dumps({"where": where, "steps": steps, "time": time.time()}))
+                store.put(f"rank{rank}", json.dumps({"where": where, "steps": steps, "time": time.time(),
+                                                     "changed": time.time() - (time.monotonic() - since),
+                                                     "host": host}))
                 published = version
             except Exception:  # noqa: BLE001 - the store is a help for the message, never a reason to fail
                 pass
+            published_at = time.monotonic()
         stuck = time.monotonic() - since
         if stuck < fire_after:
             continue
         lines = [f"keras_boost: stall: rank {rank} of {size} has been {where} for {stuck:.0f} s "
                  f"(stall_timeout={timeout:g} s); ending the job."]
-        lines += _others(store, rank, size)
+        lines += _others(store, rank, size, silent_after=3 * beat)
         print("\n".join(lines), file=sys.stderr, flush=True)
         os._exit(STALL_EXIT_CODE)
 
 
-def _others(store, rank, size):
-    """Where every rank is, from the key-value store, and which ones are behind."""
+def _others(store, rank, size, silent_after=30.0):
+    """Where every rank is, from the key-value store, and which ones are behind.
+
+    Every worker republishes its position every `heartbeat_seconds`; a rank not heard of for
+    `silent_after` seconds lost its host's link, or its process or host died: it is named,
+    with its host, as the one to look at."""
     if not store.available:
         return ["keras_boost: stall: the other ranks' positions are not known under this launcher; Horovod's stall "
                 "warning above (on rank 0) names the missing ranks and tensors."]
-    now, table = time.time(), {}
+    now, table, why = time.time(), {}, {}
     for other in range(size):
         try:
             table[other] = json.loads(store.get(f"rank{other}"))
-        except Exception:  # noqa: BLE001
-            table[other] = None
+        except Exception as error:  # noqa: BLE001
+            table[other], why[other] = None, error
     lines = []
     for other, entry in table.items():
         if entry is None:
-            lines.append(f"keras_boost: stall:   rank {other}: no position published (not started, or dead)")
+            lines.append(f"keras_boost: stall:   rank {other}: no position published (not started, or dead: "
+                         f"{why[other]})")
         else:
-            lines.append(f"keras_boost: stall:   rank {other}: {entry['where']} (step {entry['steps']} of this fit, "
-                         f"last change {now - entry['time']:.0f} s ago)")
+            on = f" on {entry['host']}" if entry.get("host") else ""
+            lines.append(f"keras_boost: stall:   rank {other}{on}: {entry['where']} (step {entry['steps']} of this "
+                         f"fit, last change {now - entry.get('changed', entry['time']):.0f} s ago)")
+    silent = [r for r, e in table.items() if e is not None and r != rank and now - e["time"] > silent_after]
+    if silent:
+        named = ", ".join(f"rank {r} on {table[r].get('host', '?')}" for r in silent)
+        lines.append(f"keras_boost: stall: nothing heard from {named} for over {silent_after:.0f} s: that host lost "
+                     "its network link, or the process or the host died. Check that host; the other ranks wait "
+                     "for it.")
+        return lines
     known = {r: e for r, e in table.items() if e is not None}
     behind = [r for r in range(size) if table[r] is None]
     if known and not behind:

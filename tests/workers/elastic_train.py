@@ -18,11 +18,16 @@ Environment: KB_ELASTIC_MARKER (path of the marker file, required), KB_ELASTIC_E
 KB_ELASTIC_ALONE (batches rank 0 trains alone before waiting, default 8),
 KB_ELASTIC_WAIT_S (default 90; 0: do not wait for a joiner), KB_ELASTIC_KILL_RANK (the rank
 that dies, default 1), KB_ELASTIC_ADASUM (1: compile
-with AdaSum(device_number=1)).
+with AdaSum(device_number=1)), KB_ELASTIC_PLAN (hosts changing across a cluster, JSON:
+{"hosts": path of the discovery file, "remove_at": rank 0's batch at which it rewrites the
+file to "after_remove" (a host leaves), "after_wait": the file's lines when rank 0 starts
+waiting for a joiner (a host is added)}).
 """
 
 import hashlib
+import json
 import os
+import socket
 import signal
 import time
 
@@ -43,6 +48,40 @@ ALONE = int(os.environ.get("KB_ELASTIC_ALONE", "8"))
 BATCH, EPOCHS_SEED = 16, 0
 ADASUM = os.environ.get("KB_ELASTIC_ADASUM") == "1"
 KILL_RANK = int(os.environ.get("KB_ELASTIC_KILL_RANK", "1"))
+PLAN = json.loads(os.environ.get("KB_ELASTIC_PLAN", "null"))
+
+
+def write_hosts(lines):
+    """Rewrites the host discovery file (atomically: the discovery script never reads half)."""
+    with open(PLAN["hosts"] + ".tmp", "w") as handle:
+        handle.write(lines)
+    os.replace(PLAN["hosts"] + ".tmp", PLAN["hosts"])
+    print(f"elastic_train: rank 0 sets the hosts to {lines.split()}", flush=True)
+
+
+class ChangeHosts(keras.callbacks.Callback):
+    """At batch `remove_at` rank 0 takes a host out of the discovery file (a planned removal);
+    then every worker polls for the update together (`check_host_updates` is a collective),
+    a fixed number of times, so that the removal lands mid-run on all of them at once."""
+
+    def __init__(self, state, joined_late):
+        super().__init__()
+        self.state = state
+        self.batches = 0
+        self.done = joined_late  # a worker that joins later never removes anything
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches += 1
+        if not PLAN or self.done or self.batches != PLAN["remove_at"]:
+            return
+        self.done = True
+        if distributed.rank() == 0:
+            with open(MARKER, "w") as handle:
+                handle.write("removed")
+            write_hosts(PLAN["after_remove"])
+        for _ in range(int(WAIT_S * 2)):
+            time.sleep(0.5)
+            self.state.check_host_updates()  # raises HostsUpdatedInterrupt on every worker once horovodrun saw it
 
 
 class DieOnce(keras.callbacks.Callback):
@@ -78,6 +117,8 @@ class WaitForJoiner(keras.callbacks.Callback):
             return
         self.state.waited = True  # committed below: wait once per job
         self.state.commit()
+        if PLAN:
+            write_hosts(PLAN["after_wait"])
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             time.sleep(0.5)
@@ -122,7 +163,8 @@ def main():
     state = elastic.BoostModelState(model, log=[], waited=False)
     start = time.monotonic()
     history = elastic.fit_elastic(model, x, y, state, batch_size=BATCH, epochs=EPOCHS, batches_per_commit=4,
-                                  seed=EPOCHS_SEED, callbacks=[DieOnce(), WaitForJoiner(state), LogBatches(state)],
+                                  seed=EPOCHS_SEED, callbacks=[DieOnce(), ChangeHosts(state, joined_late), WaitForJoiner(state),
+                                                                    LogBatches(state)],
                                   verbose=0)
     seconds = round(time.monotonic() - start, 1)
     weights = [np.asarray(w) for w in model.get_weights()]
@@ -134,7 +176,7 @@ def main():
     report(distributed.rank(), size=distributed.size(), digest=digest, weights_digest=weights_digest, epochs=state.epoch, history=history,
            log=state.log, resets=state.resets, joined_late=joined_late, reference_diff=diff,
            iterations=int(model.optimizer.iterations.numpy()), seconds=seconds,
-           adasum_groups=model.boost_step.adasum.groups if ADASUM else None)
+           adasum_groups=model.boost_step.adasum.groups if ADASUM else None, hostname=socket.gethostname())
 
 
 if __name__ == "__main__":
