@@ -459,5 +459,9 @@ def test_per_group_functions_run_eagerly_and_under_xla(mode):
         assert type(model.train_function).__name__ == "BranchTrainFunction"
         assert history.history["freeze_group"] == [0.0, 2.0]  # steps 3 and 7 train groups 0 and 2
         results[current] = weights(model)
+    # Eager and graph (and XLA) run other kernels: where TensorFlow turns oneDNN on (AVX-512
+    # CPUs; TF_ENABLE_ONEDNN_OPTS) the eager matmuls round differently from the graph's fused
+    # ones (3e-8 seen on 19 of 128 values after 8 Adam steps). The schedule is what is compared
+    # here (which groups trained when), not the kernels: 1e-5 is far below one step's change.
     for a, b in zip(results["graph"], results[mode]):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 if mode == "jit_compile" else 0)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

@@ -8,18 +8,14 @@ and then trains a fresh model for the 4 epochs without interruption; it reports 
 epochs the resumed run trained and both weight hashes.
 """
 
-import hashlib
 import os
 import signal
 import sys
 import time
 
-from common import report
+from backup_run import resume_or_fault
 
-import keras
-
-from keras_boost import BoostModel, callbacks, distributed
-from tests.helpers import classification_data, compile_sgd, mlp, weights
+from keras_boost import callbacks, distributed
 
 MODE, BACKUP = sys.argv[1], sys.argv[2]
 
@@ -42,36 +38,8 @@ class DieWhileWriting(callbacks.BackupAndRestore):
         super()._save_model()
 
 
-class Epochs(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.seen.append(epoch)
-
-
-def digest(model):
-    return hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
-
-
-def train(backup_dir=None):
-    rank, size = distributed.rank(), distributed.size()
-    x, y = classification_data(n=256)
-    xs, ys = x[rank::size], y[rank::size]
-    model = compile_sgd(mlp(BoostModel))
-    epochs = Epochs()
-    extra = [DieWhileWriting(backup_dir)] if backup_dir else []
-    model.fit(xs, ys, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=extra + [epochs])
-    return model, epochs.seen
-
-
 def main():
-    distributed.init()
-    resumed, seen = train(BACKUP)
-    if MODE == "resume":
-        uninterrupted, _ = train()
-        report(distributed.rank(), epochs=seen, resumed=digest(resumed), uninterrupted=digest(uninterrupted))
+    resume_or_fault(MODE, DieWhileWriting(BACKUP))
 
 
 if __name__ == "__main__":

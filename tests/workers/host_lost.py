@@ -11,30 +11,21 @@ resumes, then trains a fresh model for the 4 epochs without interruption; it rep
 epochs the resumed run trained and both weight hashes.
 """
 
-import hashlib
 import os
 import sys
 import time
 
-from common import report
+from backup_run import resume_or_fault
 
 import keras
 
-from keras_boost import BoostModel, callbacks, distributed
-from tests.helpers import classification_data, compile_sgd, mlp, weights
+from keras_boost import callbacks, distributed
 
 MODE, BACKUP = sys.argv[1], sys.argv[2]
 MARKER = os.environ.get("KB_LINK_MARKER", "")
 
 
 class LoseTheLink(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.seen.append(epoch)
-
     def on_epoch_end(self, epoch, logs=None):
         if MODE == "train" and epoch == 1 and distributed.rank() == 0:
             time.sleep(8)  # the workers have run a while (their watchdogs published, beat twice) before the cut
@@ -46,29 +37,8 @@ class LoseTheLink(keras.callbacks.Callback):
             print(f"host_lost: the link is down at {time.time():.2f}; rank 0 goes on into epoch 2", flush=True)
 
 
-def digest(model):
-    return hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
-
-
-def train(backup_dir=None):
-    rank, size = distributed.rank(), distributed.size()
-    x, y = classification_data(n=256)
-    xs, ys = x[rank::size], y[rank::size]
-    model = compile_sgd(mlp(BoostModel))
-    watch = LoseTheLink()
-    extra = [callbacks.BackupAndRestore(backup_dir)] if backup_dir else []
-    model.fit(xs, ys, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=extra + [watch])
-    return model, watch.seen
-
-
 def main():
-    distributed.init()
-    resumed, seen = train(BACKUP)
-    if MODE == "resume":
-        uninterrupted, _ = train()
-        report(distributed.rank(), epochs=seen, resumed=digest(resumed), uninterrupted=digest(uninterrupted))
-    else:
-        report(distributed.rank(), finished=True)  # never reached: the link is down
+    resume_or_fault(MODE, callbacks.BackupAndRestore(BACKUP), extra=[LoseTheLink()])
 
 
 if __name__ == "__main__":
