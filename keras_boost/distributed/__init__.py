@@ -380,42 +380,41 @@ def horovod():
     return hvd
 
 
-def size():
+def _ask(question, alone):
+    """Horovod's answer to `question` (a function name), or `alone` in a single process."""
     hvd = _hvd()
-    return 1 if hvd is None else hvd.size()
+    return alone if hvd is None else getattr(hvd, question)()
+
+
+def size():
+    return _ask("size", 1)
 
 
 def rank():
-    hvd = _hvd()
-    return 0 if hvd is None else hvd.rank()
+    return _ask("rank", 0)
 
 
 def local_rank():
-    hvd = _hvd()
-    return 0 if hvd is None else hvd.local_rank()
+    return _ask("local_rank", 0)
 
 
 def local_size():
-    hvd = _hvd()
-    return 1 if hvd is None else hvd.local_size()
+    return _ask("local_size", 1)
 
 
 def cross_rank():
     """This worker's host among the hosts (Horovod's cross rank; 0 in a single process)."""
-    hvd = _hvd()
-    return 0 if hvd is None else hvd.cross_rank()
+    return _ask("cross_rank", 0)
 
 
 def cross_size():
     """The number of hosts with a worker of this local rank (Horovod's cross size; 1 in a single process)."""
-    hvd = _hvd()
-    return 1 if hvd is None else hvd.cross_size()
+    return _ask("cross_size", 1)
 
 
 def is_homogeneous():
     """Whether every host runs the same number of workers (True in a single process)."""
-    hvd = _hvd()
-    return True if hvd is None else bool(hvd.is_homogeneous())
+    return bool(_ask("is_homogeneous", True))
 
 
 _SIZE_ENV = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
