@@ -224,7 +224,7 @@ BREAKS = (
           "keras_boost/stages/hierarchical.py",
           '        shard = distributed.allreduce(shard, average=False, process_set=plan["across"])  # everyone\'s sum',
           "        shard = shard  # this host's sum only",
-          ("tests/test_communication.py::test_hierarchical_allreduce_on_4_workers_with_simulated_hosts_mpi",)),
+          ("tests/test_communication.py::test_hierarchical_allreduce_on_two_hosts_of_two_workers",)),
     Break("fusion_threshold_in_mb", "fusion_threshold_mb is passed to Horovod as MiB, not bytes",
           "keras_boost/distributed/__init__.py",
           '        env["HOROVOD_FUSION_THRESHOLD"] = str(int(round(fusion_threshold_mb * _MIB)))',
