@@ -437,7 +437,7 @@ def main(argv=None):
         cluster = Cluster.up(args.n, args.prefix, rate=args.rate)
         for host in cluster.hosts:
             print(f"{host} {cluster.address(host)}")
-        print(f"run a command on a host: {sys.argv[0]} run {cluster.hosts[0]} -- CMD")
+        print(f"run a command on a host: ./scripts/cluster.sh run {cluster.hosts[0]} -- CMD")
         return 0
     if args.command == "down":
         down(args.prefix)
