@@ -47,7 +47,7 @@ class Break:
 BREAKS = (
     Break("no_averaging", "allreduce sums the gradients instead of averaging them",
           "keras_boost/distributed/__init__.py",
-          "op = hvd.Average if average else hvd.Sum", "op = hvd.Sum",
+          "    return hvd.Average if average else hvd.Sum", "    return hvd.Sum",
           ("tests/test_multiprocess.py::test_two_workers_equal_one_process_with_twice_the_batch[gloo]",)),
     Break("broadcast_skipped", "no broadcast of rank 0's variables when fit starts",
           "keras_boost/distributed/callbacks.py",
@@ -216,6 +216,12 @@ BREAKS = (
           "        grads = self._communicate(grads, indices, self._reduce)\n",
           "        grads = self._reduce(grads, indices)\n",
           ("tests/test_compression.py::test_the_step_encodes_before_reduce_and_decodes_after_once_per_update",)),
+    Break("reduce_waits_for_backward", "the default reduce groups every gradient into one allreduce, which "
+          "waits for the whole backward pass (no overlap of communication with it)",
+          "keras_boost/step/loop.py",
+          "            return distributed.allreduce_each(grads)",
+          "            return distributed.grouped_allreduce(grads)",
+          ("tests/test_multiprocess.py::test_two_workers_equal_one_process_with_twice_the_batch[gloo]",)),
     Break("bfloat16_sum_not_averaged", "the bfloat16 allreduce returns the workers' sum, not their mean",
           "keras_boost/distributed/__init__.py",
           "            total = total / tf.cast(tf.shape(values)[0], tf.float64)", "            total = total",

@@ -229,7 +229,6 @@ SHARED = {
         ("adasum_combine", "adasum_combine", [4]),
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_training_2", "adasum_training", [2]),
-        ("hierarchical", "hierarchical", [2]),
     ]),
 }
 _SHARED_RUNS = {}

@@ -532,11 +532,43 @@ def grouped_allreduce(tensors, average=True, process_set=None):
         if dtype == tf.bfloat16:
             outputs = _bfloat16_allreduce(hvd, group, average, kwargs)
         else:
-            op = hvd.Average if average else hvd.Sum
-            outputs = _count(list(hvd.grouped_allreduce(group, op=op, name=_name("allreduce"), **kwargs)))
+            outputs = _count(list(hvd.grouped_allreduce(group, op=_average_or_sum(hvd, average), name=_name("allreduce"), **kwargs)))
         for i, output in zip(positions, outputs):
             reduced[i] = output
     return reduced
+
+
+def allreduce_each(tensors, average=True, process_set=None):
+    """Averages (or sums) each tensor in a collective of its own, counted as one reduction.
+
+    Each tensor goes to Horovod as soon as the backward pass has produced it, as Horovod's
+    `DistributedGradientTape` does, so the first gradients travel while the rest are still
+    computed; Horovod's fusion buffer still packs the tensors that are ready in the same
+    cycle into one allreduce. bfloat16 tensors take `grouped_allreduce`'s allgather.
+    """
+    tensors = list(tensors)
+    hvd = _hvd()
+    if hvd is None or not tensors:
+        return tensors
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    op = _average_or_sum(hvd, average)
+    base = _name("allreduce")
+    reduced = [None] * len(tensors)
+    halves = [i for i, t in enumerate(tensors) if _values_dtype(t) == tf.bfloat16]
+    if halves:
+        for i, output in zip(halves, _bfloat16_allreduce(hvd, [tensors[i] for i in halves], average, kwargs)):
+            reduced[i] = output
+    rest = [i for i in range(len(tensors)) if reduced[i] is None]
+    outputs = [hvd.allreduce(tensors[i], op=op, name=f"{base}.{n}", **kwargs) for n, i in enumerate(rest)]
+    if outputs:
+        _count(outputs)
+    for i, output in zip(rest, outputs):
+        reduced[i] = output
+    return reduced
+
+
+def _average_or_sum(hvd, average):
+    return hvd.Average if average else hvd.Sum
 
 
 def _values_dtype(tensor):

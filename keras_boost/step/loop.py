@@ -6,7 +6,8 @@
 
     [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
     -> local_gradients -> [window: go on only at a boundary]
-    -> encode -> reduce (default: one fused allreduce; gradient_split_groups splits it) -> decode
+    -> encode -> reduce (default: each gradient to Horovod when ready, fused there; gradient_split_groups:
+       one grouped allreduce per group) -> decode
     -> [agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
 
@@ -79,7 +80,8 @@ class BoostTrainOneStep:
         adasum, nan_guard: the options of `BoostModel.compile`, turned into stages by the
             registry (`keras_boost.step.registry`); a ready stage object is accepted too.
         gradient_split_groups: increasing variable indices at which a new fused
-            allreduce starts, or None for one fused allreduce of all gradients.
+            allreduce starts, or None: each gradient goes to Horovod as soon as the
+            backward pass produces it, and Horovod's tensor fusion packs them.
         stages: more `Stage` objects to run (after the registry's), e.g. your own.
         loss_fn: the loss of a standalone step, `loss_fn(y, y_pred[, sample_weight])`
             (MindSpore's `WithLossCell(network, loss_fn)`); default: the loss the model
@@ -465,6 +467,8 @@ class BoostTrainOneStep:
             return reducing[0].reduce(grads, indices)
         if distributed.size() == 1:
             return grads
+        if not self.split_points:  # each gradient to Horovod as soon as it exists; Horovod fuses them
+            return distributed.allreduce_each(grads)
         buckets = {}
         for position, index in enumerate(indices):
             buckets.setdefault(int(np.searchsorted(self.split_points, index, side="right")), []).append(position)

@@ -12,7 +12,7 @@ from common import report
 import keras
 import numpy as np
 
-from keras_boost import BoostModel, distributed
+from keras_boost import BoostModel, BoostTrainOneStep, distributed
 from tests.helpers import classification_data, compile_sgd, max_diff, mlp, weights
 
 
@@ -49,7 +49,25 @@ def run(accumulation=1):
                 history={k: [float(v) for v in vs] for k, vs in history.history.items()},
                 evaluation={k: float(v) for k, v in evaluation.items()},
                 collectives=distributed.allreduce_count() - collectives_before,
-                iterations=int(model.optimizer.iterations.numpy()))
+                iterations=int(model.optimizer.iterations.numpy()), horovod_ops=horovod_ops(x, y))
+
+
+def horovod_ops(x, y):
+    """{Horovod op type: count} in the compiled graph of one standalone step, and the gradient count.
+
+    By default every gradient is its own allreduce, handed to Horovod when the backward pass
+    produces it; none is a grouped allreduce, which would wait for the whole backward pass.
+    """
+    model = mlp(keras.Model, seed=0)
+    step = BoostTrainOneStep(model, keras.optimizers.SGD(0.1), loss_fn=keras.losses.SparseCategoricalCrossentropy())
+    data = (x[:16], y[:16])
+    step(*data)
+    graph = step._compiled[None].get_concrete_function(data).graph
+    found = {}
+    for op in graph.get_operations():
+        if op.type.startswith("Horovod"):
+            found[op.type] = found.get(op.type, 0) + 1
+    return dict(ops=found, gradients=len(model.trainable_variables))
 
 
 def main():
