@@ -21,8 +21,8 @@ if any(_os.path.basename(a) == "keras-boost" for a in _ARGV[:2]) or "keras_boost
 
 from keras_boost import _keras_compat  # noqa: E402,F401 - checks the Keras version first
 from keras_boost import distributed, optimizers, step  # noqa: E402
-from keras_boost.compat.auto_boost import AutoBoost
-from keras_boost.compat.params import OptimizerProcess, ParameterProcess
+from keras_boost.mindspore.auto_boost import AutoBoost
+from keras_boost.mindspore.params import OptimizerProcess, ParameterProcess
 from keras_boost.config import MINDSPORE_DEFAULTS
 from keras_boost.distributed import callbacks, elastic
 from keras_boost.graph.layers import FNHead
@@ -36,15 +36,15 @@ from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, g
                                        split_parameters_groups)
 from keras_boost.stages.hierarchical import HierarchicalAllreduce
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
-from keras_boost.step.loop import BoostTrainOneStep, BoostTrainOneStepWithLossScale
-from keras_boost.step.state import BoostState
+from keras_boost.mindspore.cells import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+from keras_boost.core.state import BoostState
 
 # `keras_boost.callbacks` and `keras_boost.elastic` are public module paths too
 # (`from keras_boost.callbacks import BackupAndRestore`); they live in distributed/.
 _sys.modules[__name__ + ".callbacks"] = callbacks
 _sys.modules[__name__ + ".elastic"] = elastic
 
-__version__ = "0.1.0"
+from keras_boost._version import __version__  # noqa: E402,F401
 
 __all__ = [
     "AdaSum",

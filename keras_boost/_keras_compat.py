@@ -13,6 +13,8 @@ Tested with Keras 3.15.1 (what TensorFlow 2.18.1 installs); the lower bound is t
 `Optimizer._learning_rate`, `KerasTensor._keras_history`, `Operation._inbound_nodes`).
 """
 
+import functools
+
 import keras
 
 SUPPORTED_KERAS = ((3, 15), (3, 16))  # [lower, upper): the range setup.py allows
@@ -199,3 +201,19 @@ class BackupAndRestoreBase(keras.callbacks.BackupAndRestore):
 
     def _save_model(self):
         self.save_backup()
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """`model.compute_loss(...)`, passing `training` only when the override accepts it (as Keras does)."""
+    kwargs = {"x": x, "y": y, "y_pred": y_pred, "sample_weight": sample_weight}
+    if _compute_loss_takes_training(type(model).compute_loss):
+        kwargs["training"] = True
+    return model.compute_loss(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_loss_takes_training(compute_loss):
+    import inspect
+
+    parameters = inspect.signature(compute_loss).parameters
+    return "training" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())

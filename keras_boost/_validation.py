@@ -113,3 +113,13 @@ def check_steps(name, value, minimum=1):
             math.isfinite(value) and float(value).is_integer()):
         value = int(value)
     return check_int(name, value, minimum, allowed="a positive int (or a float with an integral value)")
+
+
+def check_sens(sens):
+    if isinstance(sens, bool) or not isinstance(sens, numbers.Real):
+        raise TypeError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
+                        f"({type(sens).__name__}).")
+    if sens == 0 or not math.isfinite(sens):
+        raise ValueError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
+                         f"({type(sens).__name__}).")
+    return float(sens)

@@ -10,11 +10,9 @@ from keras_boost import _keras_compat, distributed
 from keras_boost._keras_compat import Functional, Trainer, functional_init_arguments
 from keras_boost._validation import alias
 from keras_boost.config import BoostConfig
-from keras_boost.optimizers import GradientCentralization as GCOptimizer
-from keras_boost.stages.freeze import FreezeOpt
 from keras_boost.step import registry
-from keras_boost.step.loop import BoostTrainOneStep
-from keras_boost.step.state import BoostState
+from keras_boost.step.loop import BoostStep
+from keras_boost.core.state import BoostState
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
@@ -106,23 +104,20 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
                  "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
                  "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
-        if isinstance(optimizer, FreezeOpt):  # its optimizer trains; its groups make the freeze stage
-            if given["gradient_freeze"] is not None and given["gradient_freeze"] is not optimizer:
-                raise ValueError("the optimizer is a FreezeOpt and `gradient_freeze` is given too: pass the freeze "
-                                 "groups once, either as the optimizer or as gradient_freeze")
-            given["gradient_freeze"], optimizer = optimizer, optimizer.optimizer
+        if isinstance(optimizer, keras.optimizers.Optimizer):  # a FreezeOpt becomes the freeze stage
+            optimizer = registry.unwrap_optimizer(optimizer, given)
         for option in registry.options():  # options of stages registered by users
             if option in kwargs:
                 given[option] = kwargs.pop(option)
         if self.auto_boost is not None:  # the level's stages, unless given explicitly
+            covered = getattr(optimizer, "boost_option", None)  # e.g. a GC optimizer (OptimizerProcess)
             for name, value in registry.level_options(self.auto_boost).items():
-                if name == "gradient_centralization" and isinstance(optimizer, GCOptimizer):
-                    continue  # the optimizer centralises already (OptimizerProcess)
-                given[name] = value if given.get(name) is None else given[name]
+                if name != covered:
+                    given[name] = value if given.get(name) is None else given[name]
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
-        self.boost_step = BoostTrainOneStep(self, self.optimizer, sens=sens, stages=stages, **given)
+        self.boost_step = BoostStep(self, self.optimizer, sens=sens, stages=stages, **given)
         if self.built:
             self.boost_step.build(self.boost_state)
 

@@ -76,3 +76,58 @@ def test_keras_version_outside_the_range_fails_with_the_range():
     with pytest.raises(ImportError, match="has Keras 3.16.0"):
         _keras_compat.check_keras_version("3.16.0")
     _keras_compat.check_keras_version("3.15.1")
+
+
+# The folders from the bottom up (docs/architecture.md, "Layout"): a module imports only
+# modules of its own folder or of a lower one, so a stage never runs back up into the loop.
+LAYERS = (
+    {"keras_boost._version", "keras_boost._validation", "keras_boost._keras_compat", "keras_boost.config",
+     "keras_boost.precision"},
+    {"keras_boost.core"},
+    {"keras_boost.distributed", "keras_boost.graph"},
+    {"keras_boost.stages"},
+    {"keras_boost.optimizers"},
+    {"keras_boost.step"},
+    {"keras_boost.model"},
+    {"keras_boost.mindspore"},
+    {"keras_boost.app"},
+)
+
+
+def _layer(module):
+    for height, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return height
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its folder there and to docs/architecture.md")
+
+
+def test_every_import_runs_down_the_layers():
+    upward = []
+    for name, path in MODULES.items():
+        if name == "keras_boost":  # the package's front door re-exports every layer
+            continue
+        for target in _imports(path):
+            if target == "keras_boost":
+                upward.append(f"{name} imports the package's front door (keras_boost/__init__.py)")
+            elif target in MODULES and _layer(target) > _layer(name):
+                upward.append(f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_horovod_is_imported_in_distributed_only():
+    """The package's modules reach Horovod through `keras_boost.distributed` alone."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            if any(n == "horovod" or n.startswith("horovod.") for n in names) and not (
+                    name == "keras_boost.distributed" or name.startswith("keras_boost.distributed.")):
+                found.append(name)
+    assert not found, found
+
+
+def test_the_loop_imports_no_stage():
+    """The loop knows the hook points, not the features: its stages come from the registry."""
+    imported = _imports(MODULES["keras_boost.step.loop"])
+    assert not [m for m in imported if m.startswith("keras_boost.stages")], imported

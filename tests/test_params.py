@@ -6,7 +6,7 @@ import pytest
 
 from keras_boost.stages.centralization import GradientCentralization, gc_variables
 from keras_boost.graph.less_bn import LessBN
-from keras_boost.compat.params import OptimizerProcess, ParameterProcess
+from keras_boost.mindspore.params import OptimizerProcess, ParameterProcess
 
 
 def _cnn():

@@ -143,3 +143,19 @@ def test_adasum_and_auto_boost_construction_do_not_initialise_horovod():
     AutoBoost("O2")
     BoostModel  # noqa: B018 - importing the model must not initialise either
     assert distributed._state.initialized is False
+
+
+def test_builtin_gradient_clipping_matches_keras_global_clipnorm():
+    """`compile(gradient_clipping=c)` against Keras' own `global_clipnorm=c` on the same data.
+
+    Both compute the same global norm of the same float32 gradients, in a different order of
+    operations (tf.clip_by_global_norm against Keras' ops), hence a tolerance, not equality.
+    """
+    x, y = classification_data(n=256)
+    clipped = _train(mlp(BoostModel, seed=0), x, y, optimizer=keras.optimizers.SGD(0.5), gradient_clipping=0.05)
+    keras_clipped = _train(mlp(keras.Model, seed=0), x, y, optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05))
+    plain = _train(mlp(keras.Model, seed=0), x, y, optimizer=keras.optimizers.SGD(0.5))
+    assert max(np.max(np.abs(a - b)) for a, b in zip(clipped, keras_clipped)) < 1e-5
+    assert max(np.max(np.abs(a - b)) for a, b in zip(clipped, plain)) > 1e-2  # the clip was active
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        mlp(BoostModel, seed=0).compile(optimizer="sgd", loss="mse", gradient_clipping=-1.0)

@@ -32,11 +32,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if distributed.size() > 1:
             if self.root_rank >= distributed.size():
                 raise ValueError(f"root_rank {self.root_rank} is not a rank of this {distributed.size()}-worker run")
-            from keras_boost.step.state import state_variables
+            from keras_boost.core.state import training_variables
 
-            variables = state_variables(self.model)  # the boost state too
-            if self.model.optimizer is not None:
-                variables += list(self.model.optimizer.variables)
+            variables = training_variables(self.model)  # the boost state and the optimizer's too
             distributed.broadcast_variables(variables, self.root_rank)
 
 

@@ -72,7 +72,7 @@ _VERSION_NAMES = {"python": "Python", "tensorflow": "TensorFlow", "keras": "Kera
 
 def package_versions():
     """The versions that must agree across workers: Python, TensorFlow, Keras, Horovod, keras_boost."""
-    from keras_boost import __version__
+    from keras_boost._version import __version__
 
     try:
         import horovod

@@ -66,15 +66,9 @@ def elastic_launch():
 
 def _state_variables(model):
     """Every variable a worker must agree on: model (boost state included), then optimizer; no duplicates."""
-    found, seen = [], set()
-    optimizer_variables = list(model.optimizer.variables) if getattr(model, "optimizer", None) is not None else []
-    from keras_boost.step.state import state_variables
+    from keras_boost.core.state import training_variables
 
-    for variable in state_variables(model) + optimizer_variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            found.append(variable)
-    return found
+    return training_variables(model)
 
 
 def _build_for_sync(model):
@@ -92,11 +86,7 @@ def _build_for_sync(model):
         raise ValueError("The model must be compiled before its elastic state is made")
     step = getattr(model, "boost_step", None)
     if step is not None and not step.built:
-        adasum, step.adasum = step.adasum, None
-        try:
-            step.build(model.boost_state)
-        finally:
-            step.adasum = adasum
+        step.build(model.boost_state, later=("adasum",))
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 

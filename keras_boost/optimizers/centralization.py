@@ -9,7 +9,8 @@ optimizer silently does nothing.
 """
 
 import keras
-from keras import ops
+
+from keras_boost.stages.centralization import centralize, centralizes
 
 _RULES = ("all", "mindspore")
 
@@ -38,6 +39,11 @@ class GradientCentralization(keras.optimizers.Optimizer):
         >>> model = keras.Model(inputs, outputs)
         >>> model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     """
+
+    # A boost level's gradient centralization is not added on top of it (it centralises
+    # already); the step keeps it as the optimizer (`registry.unwrap_optimizer`).
+    boost_option = "gradient_centralization"
+    unwraps_into_step = False
 
     def __init__(self, inner_optimizer, rule="all", name=None, variables=None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -68,18 +74,13 @@ class GradientCentralization(keras.optimizers.Optimizer):
         if self._selected_paths is not None and id(variable) not in self._selected_ids and not _path_selected(
                 variable.path, self._selected_paths):
             return False
-        shape = variable.shape
-        return len(shape) >= 2 and shape[-2] % self.min_channels_multiple == 0
+        return centralizes(variable.shape, self.min_channels_multiple)
 
     def centralize(self, grads, trainable_variables):
         """The gradients with the selected ones centred (None passes through)."""
         out = []
         for g, v in zip(grads, trainable_variables):
-            if g is not None and self.applies_to(v):
-                g = ops.convert_to_tensor(g)
-                axes = tuple(range(len(g.shape) - 1))
-                g = g - ops.mean(g, axis=axes, keepdims=True)
-            out.append(g)
+            out.append(centralize(g) if g is not None and self.applies_to(v) else g)
         return out
 
     def build(self, var_list):

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from keras_boost import _keras_compat
 from keras_boost._validation import check_int
-from keras_boost.step.contract import Stage, Window
+from keras_boost.core.contract import Stage, Window
 
 
 class GradientAccumulation(Stage):
@@ -48,6 +48,7 @@ class GradientAccumulation(Stage):
     """
 
     option = "gradient_accumulation"
+    step_attribute = "accumulation"
 
     def __init__(self, max_accumulation_step, optimizer=None):
         max_accumulation_step = check_int("max_accumulation_step", max_accumulation_step, 1)
@@ -122,7 +123,7 @@ class GradientAccumulation(Stage):
                 raise ValueError("GradientAccumulation called as a cell needs the variables the gradients belong "
                                  "to: build the optimizer first (optimizer.build(model.trainable_variables)) or "
                                  "pass variables=")
-            from keras_boost.step.state import BoostState
+            from keras_boost.core.state import BoostState
 
             with tf.init_scope():
                 if not self.optimizer.built:

@@ -29,7 +29,7 @@ import warnings
 
 from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 logger = logging.getLogger("keras_boost")
 
@@ -68,6 +68,7 @@ class AdaSum(Stage):
     """
 
     option = "adasum"
+    step_attribute = "adasum"
     needs_finite = False
 
     def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto",

@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras_boost import _keras_compat
 from keras_boost._validation import check_int
 from keras_boost.graph.layers import FNHead
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 _L = keras.layers
 _PLAIN_CONVS = (_L.Conv1D, _L.Conv2D, _L.Conv3D)
@@ -49,6 +49,7 @@ class GradientCentralization(Stage):
     """
 
     option = "gradient_centralization"
+    step_attribute = "centralization"
 
     def __init__(self, variables=_MODEL_DEFAULT, min_channels_multiple=16):
         if variables not in (_MODEL_DEFAULT, _EVERY_KERNEL) and (not isinstance(variables, (list, tuple)) or not (
@@ -115,11 +116,7 @@ class GradientCentralization(Stage):
     def applies_to(self, variable):
         """Whether the gradient of `variable` gets centralised."""
         shape = variable.shape
-        return (
-            id(variable) in self._selected
-            and len(shape) >= 2
-            and shape[-2] % self.min_channels_multiple == 0
-        )
+        return id(variable) in self._selected and centralizes(shape, self.min_channels_multiple)
 
     def apply(self, grads, variables):
         """Returns `grads` with the selected ones centralised.
@@ -137,12 +134,19 @@ class GradientCentralization(Stage):
                 f"gradients and {len(variables)} variables."
             )
         return [
-            _centralize(g) if g is not None and self.applies_to(v) else g
+            centralize(g) if g is not None and self.applies_to(v) else g
             for g, v in zip(grads, variables)
         ]
 
 
-def _centralize(grad):
+def centralizes(shape, min_channels_multiple):
+    """The selection rule: rank 2 or more, input channels (`shape[-2]`) a multiple of `min_channels_multiple`."""
+    return len(shape) >= 2 and shape[-2] % min_channels_multiple == 0
+
+
+def centralize(grad):
+    """`grad - mean(grad, axes=all but the last)`: each output channel's mean gradient removed."""
+    grad = tf.convert_to_tensor(grad)
     axes = list(range(len(grad.shape) - 1))
     return grad - tf.reduce_mean(grad, axis=axes, keepdims=True)
 

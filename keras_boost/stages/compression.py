@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import distributed
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 _ALIASES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _DTYPES = "'float16' (or 'fp16') or 'bfloat16' (or 'bf16')"
@@ -135,6 +135,7 @@ class GradientCompression(Stage):
     """
 
     option = "compression"
+    step_attribute = "compression"
 
     def __init__(self, dtype="float16"):
         self.dtype = check_dtype("dtype", dtype)

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from keras_boost import distributed
 from keras_boost._validation import check_optional_int
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 _SUMMABLE = (tf.float16, tf.float32, tf.float64)  # what Horovod 0.28.1 can reduce among the float dtypes
 
@@ -58,6 +58,7 @@ class HierarchicalAllreduce(Stage):
     """
 
     option = "hierarchical_allreduce"
+    step_attribute = "hierarchical_allreduce"
 
     def __init__(self, local_size=None):
         self.local_size = check_optional_int("local_size", local_size, 1)

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost._validation import alias, check_bool, check_int, check_real
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage, all_finite  # noqa: F401 (all_finite: its home was here)
 
 DEFAULT_INIT_SCALE = 2.0**15
 
@@ -29,6 +29,7 @@ class LossScale(Stage):
     """
 
     option = "loss_scale"
+    step_attribute = "loss_scale"
     needs_finite = True
     drop_overflow_update = True
 
@@ -217,21 +218,3 @@ def as_loss_scale(scale_sense, name="scale_sense"):
         f"but got {type(scale_sense).__name__}: {scale_sense!r}"
     )
 
-
-def all_finite(grads):
-    """True when every entry of every gradient is finite.
-
-    float32/float64 gradients are checked through their sum: a NaN or an infinity anywhere
-    makes it non-finite (inf - inf is NaN), and one reduction per gradient reads each value
-    once, where `reduce_all(is_finite(g))` also writes and reads a boolean copy (about 25%
-    cheaper on ResNet50's gradients here). The sum of finite values can itself overflow
-    only when the gradients are near float32's limit (3.4e38), where the update would not
-    be finite either. Half-precision gradients, whose sums overflow at 65504, are checked
-    element by element.
-    """
-    grads = [g for g in grads if g is not None]
-    wide = [g for g in grads if g.dtype in (tf.float32, tf.float64)]
-    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g.dtype not in (tf.float32, tf.float64)]
-    if wide:
-        checks.append(tf.math.is_finite(tf.add_n([tf.cast(tf.reduce_sum(g), tf.float64) for g in wide])))
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)

@@ -10,13 +10,14 @@ plain Keras does. With a loss scale, the loss scale makes this decision instead.
 import tensorflow as tf
 
 from keras_boost._validation import check_bool
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 
 class NonFiniteGuard(Stage):
     """Skips (and counts) updates whose averaged gradient is not finite (optax's `apply_if_finite`)."""
 
     option = "nan_guard"
+    step_attribute = "nan_guard"
     needs_finite = True
 
     def __init__(self):

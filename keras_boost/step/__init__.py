@@ -5,6 +5,6 @@ it (`registry.register(MyStage)`); `BoostModel.compile(my_option=...)` then make
 """
 
 from keras_boost.step import registry
-from keras_boost.step.contract import HOOKS, Stage, StepContext, Window
+from keras_boost.core.contract import HOOKS, Stage, StepContext, Window
 
 __all__ = ["HOOKS", "Stage", "StepContext", "Window", "registry"]

@@ -1,7 +1,7 @@
 """The boost step: one training step as a loop over stages at fixed hook points.
 
-`BoostTrainOneStep` is MindSpore's `BoostTrainOneStepCell`. It knows the hook points of
-`keras_boost.step.contract`, not the features: the stages come from the registry
+`BoostStep` is the loop of MindSpore's `BoostTrainOneStepCell`. It knows the hook points of
+`keras_boost.core.contract`, not the features: the stages come from the registry
 (`keras_boost.step.registry`), in its order, and each acts only at the hooks it overrides.
 
     [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
@@ -20,26 +20,13 @@ runs. Either way the backward pass through the frozen prefix is never computed.
 """
 
 import functools
-import numbers
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_boost import _keras_compat, _validation, distributed
-from keras_boost.stages.loss_scale import all_finite, as_loss_scale
+from keras_boost.core.contract import SINGLE_HOOKS, Stage, StepContext, all_finite
 from keras_boost.step import registry
-from keras_boost.step.contract import SINGLE_HOOKS, Stage, StepContext
-
-
-def check_sens(sens):
-    if isinstance(sens, bool) or not isinstance(sens, numbers.Real):
-        raise TypeError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
-                        f"({type(sens).__name__}).")
-    if sens == 0 or not np.isfinite(sens):
-        raise ValueError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
-                         f"({type(sens).__name__}).")
-    return float(sens)
 
 
 def run_if(predicate, fn):
@@ -51,87 +38,54 @@ def run_if(predicate, fn):
     return tf.cond(predicate, taken, lambda: tf.constant(False))
 
 
-def _call_compute_loss(model, x, y, y_pred, sample_weight):
-    """`model.compute_loss(...)`, passing `training` only when the override accepts it (as Keras does)."""
-    kwargs = {"x": x, "y": y, "y_pred": y_pred, "sample_weight": sample_weight}
-    if _accepts_training(type(model).compute_loss):
-        kwargs["training"] = True
-    return model.compute_loss(**kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_training(compute_loss):
-    import inspect
-
-    parameters = inspect.signature(compute_loss).parameters
-    return "training" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
-
-
-class BoostTrainOneStep:
-    """Runs one boost training step of `model` with `optimizer` (MindSpore's BoostTrainOneStepCell).
+class BoostStep:
+    """One boost training step of `model` with `optimizer`: the loop over the stages' hooks.
 
     Args:
         model: the Keras model being trained (usually a `BoostModel`, which owns the step).
-        optimizer: a built or unbuilt `keras.optimizers.Optimizer`.
+        optimizer: a built or unbuilt `keras.optimizers.Optimizer`; an optimizer adapter of a
+            stage (`FreezeOpt`) is unwrapped into that stage (`registry.unwrap_optimizer`).
         sens: scale of the loss gradient, default 1.0. As in MindSpore the gradients stay
             multiplied by it (with plain SGD it scales the learning rate); use a loss-scale
             stage for mixed precision instead.
-        loss_scale, gradient_accumulation, gradient_freeze, gradient_centralization,
-        adasum, nan_guard: the options of `BoostModel.compile`, turned into stages by the
-            registry (`keras_boost.step.registry`); a ready stage object is accepted too.
-        gradient_split_groups: increasing variable indices at which a new fused
+        gradient_split_groups: increasing variable indices at which a new grouped
             allreduce starts, or None: each gradient goes to Horovod as soon as the
             backward pass produces it, and Horovod's tensor fusion packs them.
         stages: more `Stage` objects to run (after the registry's), e.g. your own.
-        loss_fn: the loss of a standalone step, `loss_fn(y, y_pred[, sample_weight])`
-            (MindSpore's `WithLossCell(network, loss_fn)`); default: the loss the model
-            was compiled with. Regularization losses of the model are added.
-        **options: options of stages registered with `registry.register`.
+        loss_fn: the loss, `loss_fn(y, y_pred[, sample_weight])` (MindSpore's
+            `WithLossCell(network, loss_fn)`); default: the loss the model was compiled
+            with. Regularization losses of the model are added.
+        **options: the stage options of `BoostModel.compile` (`loss_scale`,
+            `gradient_accumulation`, ..., and those of stages registered with
+            `registry.register`), turned into stages by the registry; a ready stage
+            object is accepted too.
 
-    A `FreezeOpt` optimizer is unwrapped: its optimizer applies the updates and its groups
-    and sequence become the freeze stage (as `gradient_freeze=FreezeOpt(...)`).
-
-    Used standalone, as MindSpore's cell, `step(x, y)` (or `step(x, y, sample_weight)`,
-    or `step((x, y))`) runs one training step and returns the loss: on the first call it
-    builds the model, the optimizer and the stages, broadcasts the variables from rank 0
-    under a launcher and compiles the step with `tf.function`; gradients are averaged
-    across workers exactly as in `BoostModel.fit` (it is the same loop).
-
-    Example:
-        >>> step = keras_boost.BoostTrainOneStep(model, keras.optimizers.SGD(0.1, momentum=0.9),
-        ...                                      loss_fn=keras.losses.MeanSquaredError())
-        >>> loss = step(x, y)
+    The step exposes each stage under its `step_attribute` (`step.loss_scale`,
+    `step.freeze`, ...: None when off). MindSpore's callable cell over this loop is
+    `keras_boost.BoostTrainOneStep` (`keras_boost/mindspore/cells.py`).
     """
 
     def __init__(self, model, optimizer, sens=1.0, *, gradient_split_groups=None, stages=(), loss_fn=None,
                  **options):
-        from keras_boost.stages.freeze import FreezeOpt
-
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model, got {model!r} ({type(model).__name__}).")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer (a FreezeOpt included), got "
                             f"{type(optimizer).__name__}.")
-        if isinstance(optimizer, FreezeOpt):
-            given = options.get("gradient_freeze")
-            if given is not None and given is not optimizer:
-                raise ValueError("the optimizer is a FreezeOpt and `gradient_freeze` is given too: pass the freeze "
-                                 "groups once, either as the optimizer or as gradient_freeze")
-            options["gradient_freeze"] = optimizer
-            optimizer = optimizer.optimizer
+        optimizer = registry.unwrap_optimizer(optimizer, options)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be None or a callable loss(y_true, y_pred), got {loss_fn!r} "
                             f"({type(loss_fn).__name__}).")
         self.loss_fn = loss_fn
-        self._compiled = None
         options.setdefault("nan_guard", True)
         if options["nan_guard"] is not None:
             _validation.check_bool("nan_guard", options["nan_guard"])
         self.model = model
         self.optimizer = optimizer
-        self.sens = check_sens(sens)
+        self.sens = _validation.check_sens(sens)
         self.split_points = _validation.check_split_points(gradient_split_groups)
-        self.stages = registry.make_stages(options, model) + [_check_stage(s) for s in stages]
+        self.stages = registry.make_stages(options, model, extra=[_check_stage(s) for s in stages],
+                                           defaults={"gradient_split_groups": gradient_split_groups})
         for hook in SINGLE_HOOKS:
             owners = [type(s).__name__ for s in self.stages if s.overrides(hook)]
             if len(owners) > 1:
@@ -143,36 +97,23 @@ class BoostTrainOneStep:
         """The stage made from `compile(<option>=...)`, or None."""
         return next((s for s in self.stages if s.option == option), None)
 
-    @property
-    def loss_scale(self):
-        return self.stage("loss_scale")
-
-    @property
-    def accumulation(self):
-        return self.stage("gradient_accumulation")
-
-    @property
-    def freeze(self):
-        return self.stage("gradient_freeze")
-
-    @property
-    def centralization(self):
-        return self.stage("gradient_centralization")
-
-    @property
-    def adasum(self):
-        return self.stage("adasum")
-
-    @property
-    def nan_guard(self):
-        return self.stage("nan_guard") is not None
+    def __getattr__(self, name):
+        # step.loss_scale, step.freeze, ...: a stage under its `step_attribute`, None when off.
+        option = registry.step_attributes().get(name) if not name.startswith("_") else None
+        if option is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return next((s for s in self.__dict__.get("stages", ()) if s.option == option), None)
 
     def _with(self, hook):
         return [s for s in self.stages if s.overrides(hook)]
 
     # --------------------------------------------------------------- build
-    def build(self, state):
-        """Builds the optimizer and every stage (eagerly), in registry order."""
+    def build(self, state, later=()):
+        """Builds the optimizer and every stage (eagerly), in registry order.
+
+        `later`: options of stages not built now (elastic training builds AdaSum's process
+        sets at the workers' first agreement, `distributed/elastic.py`).
+        """
         if self.built:
             return
         distributed.init()
@@ -183,7 +124,8 @@ class BoostTrainOneStep:
             self._variables = variables
             context = StepContext(self.model, self.optimizer, variables, state)
             for stage in self.stages:
-                stage.build(context)
+                if stage.option not in later:
+                    stage.build(context)
             selecting = self._with("select_branch")
             self._selector = None
             self._groups = [list(range(len(variables)))]
@@ -243,145 +185,6 @@ class BoostTrainOneStep:
         branches = [functools.partial(self._branch, indices, x, y, sample_weight) for indices in self._groups]
         return tf.switch_case(self._selector(), branches)
 
-    # ------------------------------------------------------- standalone cell
-    def __call__(self, *inputs):
-        """MindSpore's `cell(*inputs)`: one training step; returns the loss.
-
-        `step(x, y)`, `step(x, y, sample_weight)` or `step((x, y))`. Builds itself on the
-        first call and runs a compiled (`tf.function`) step; inside your own
-        `tf.function` it runs inline.
-        """
-        if not inputs:
-            raise TypeError("a boost step is called with the data of one step: step(x, y) or step((x, y))")
-        data = inputs[0] if len(inputs) == 1 else tuple(inputs)
-        if tf.inside_function():
-            if not self.built:
-                raise RuntimeError("call the boost step once outside tf.function (it builds the model, the "
-                                   "optimizer and its state there), or build it first with step.build(state)")
-            return self._standalone(data)
-        if self._compiled is None:
-            self._prepare_standalone(data)
-            # The loop has no tensor-dependent Python control flow (tf.cond and tf.switch_case are
-            # explicit), so AutoGraph need not convert it. One function per branch when the
-            # branch can be chosen from Python, each compiled when first needed.
-            self._compiled = {}
-            self._plans = self.plans_branches()
-        branch = self.next_branch(1)[0] if self._plans else None
-        if branch not in self._compiled:
-            self._compiled[branch] = tf.function(functools.partial(self._standalone, branch=branch), autograph=False)
-        return self._compiled[branch](data)
-
-    def _prepare_standalone(self, data):
-        """Builds the model and the step, and makes the workers start from rank 0's variables."""
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if not self.model.built or not self.model.trainable_variables:
-            self.model(x, training=False)
-        compiled_loss = getattr(self.model, "_compile_loss", None) is not None
-        custom_loss = type(self.model).compute_loss is not keras.Model.compute_loss
-        if self.loss_fn is None and not compiled_loss and not custom_loss:
-            raise TypeError("a standalone boost step needs a loss: pass loss_fn=... (MindSpore's WithLossCell) or "
-                            "compile the model with a loss")
-        if not self.built:
-            from keras_boost.step.state import BoostState
-
-            state = getattr(self.model, "boost_state", None)
-            if state is None:
-                state = self.state = BoostState()
-            self.build(state)
-        if distributed.size() > 1:
-            from keras_boost.step.state import state_variables
-
-            variables = state_variables(self.model) + list(self.optimizer.variables)
-            own_state = getattr(self, "state", None)  # a BoostModel's own state is in state_variables
-            if own_state is not None:
-                variables += list(own_state.variables)
-            distributed.broadcast_variables(variables, 0)
-
-    def _standalone(self, data, branch=None):
-        distributed.start_trace()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        scale = None
-        if self.loss_scale is not None:
-            scale = tf.identity(tf.reshape(tf.convert_to_tensor(self.loss_scale.scale), []))
-        with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
-            loss, _ = self._run(x, y, sample_weight, branch)
-        if scale is None:
-            return loss
-        overflow = tf.cast(self.loss_scale.last_overflow.value, tf.bool)
-        return loss, overflow, scale
-
-    # ------------------------------------------- MindSpore's cell methods
-    def check_adasum_enable(self, optimizer=None, reducer_flag=None):
-        """Whether this step combines updates by AdaSum (MindSpore's `check_adasum_enable`).
-
-        True when an AdaSum stage is on and, once built, there is more than one group.
-        `optimizer` (when given, it must be this step's) and `reducer_flag` (False: no
-        data parallelism, so no AdaSum) are MindSpore's arguments.
-        """
-        if optimizer is not None and optimizer is not self.optimizer and getattr(
-                optimizer, "optimizer", None) is not self.optimizer:
-            raise ValueError("`optimizer` must be this step's optimizer")
-        adasum = self.adasum
-        if adasum is None or reducer_flag is False:
-            return False
-        return not adasum.built or adasum.groups > 1
-
-    def _full_gradients(self, grads):
-        if len(grads) != len(self._variables):
-            raise ValueError(f"`grads` must hold one gradient per trainable variable ({len(self._variables)}), "
-                             f"got {len(grads)}")
-        pairs = [(g, i) for i, g in enumerate(grads) if g is not None]
-        return [g for g, _ in pairs], [i for _, i in pairs]
-
-    def gradient_accumulation_process(self, loss, grads):
-        """Adds `grads` to the accumulation window and updates at its boundary; returns `loss`.
-
-        MindSpore's `gradient_accumulation_process(loss, grads)`: `grads` are the (local)
-        gradients of every trainable variable, in order; at the boundary the mean gradient
-        goes through the rest of the step (allreduce, loss scale decision, GC, optimizer
-        or AdaSum). Without an accumulation stage it updates at once.
-        """
-        self._require_built()
-        grads, indices = self._full_gradients(grads)
-        windowing = self._with("window")
-        window = windowing[0].window(grads, indices) if windowing else None
-        if window is None:
-            self._update(grads, indices)
-        else:
-            def update_from_window():
-                self._update(window.grads(), indices)
-                window.close()
-
-            run_if(window.boundary, update_from_window)
-        return loss
-
-    def adasum_process(self, loss, grads):
-        """Applies `grads` through AdaSum (MindSpore's `adasum_process`); returns `loss`.
-
-        `grads` (one per trainable variable) are averaged inside this worker's AdaSum
-        group, the optimizer takes a local step, and the weight deltas are combined
-        across groups. Needs an AdaSum stage (`adasum=...`).
-        """
-        self._require_built()
-        if self.adasum is None:
-            raise ValueError("adasum_process needs an AdaSum stage: make the step with adasum=True or AdaSum(...)")
-        grads, indices = self._full_gradients(grads)
-        grads = self._communicate(grads, indices, self.adasum.reduce)
-        variables = [self._variables[i] for i in indices]
-        self.adasum.apply_update(self.optimizer, [tf.identity(g) for g in grads], variables)
-        return loss
-
-    def gradient_freeze_process(self, *inputs):
-        """One training step through the freeze branch of the current group; returns the loss.
-
-        MindSpore's `gradient_freeze_process(*inputs)`: the group `sequence[position]`
-        gets gradients and the update, the sequence advances. Needs a freeze stage.
-        """
-        if self.freeze is None:
-            raise ValueError("gradient_freeze_process needs a freeze stage: make the step with a FreezeOpt "
-                             "optimizer or gradient_freeze=...")
-        return self(*inputs)
-
     def _require_built(self):
         if not self.built:
             raise RuntimeError("the step is not built yet: call it once on data (step(x, y)) or build(state) first")
@@ -400,7 +203,7 @@ class BoostTrainOneStep:
             tape.watch(watched)
             y_pred = self.model(x, training=True)
             if self.loss_fn is None:
-                loss = _call_compute_loss(self.model, x, y, y_pred, sample_weight)
+                loss = _keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight)
             else:
                 loss = self._loss_fn_loss(y, y_pred, sample_weight)
             target = loss * self.sens if self.sens != 1.0 else loss
@@ -436,7 +239,7 @@ class BoostTrainOneStep:
 
     def _update(self, grads, indices):
         """Communicates once, decides for all workers whether to apply, applies, then after_update."""
-        grads = self._communicate(grads, indices, self._reduce)
+        grads = self._communicate(grads, indices, self._with("reduce")[0].reduce)
         variables = [self._variables[i] for i in indices]
         finite = None
         if self._needs_finite:
@@ -461,67 +264,16 @@ class BoostTrainOneStep:
             grads = stage.decode(grads, indices)
         return grads
 
-    def _reduce(self, grads, indices):
-        reducing = self._with("reduce")
-        if reducing:
-            return reducing[0].reduce(grads, indices)
-        if distributed.size() == 1:
-            return grads
-        if not self.split_points:  # each gradient to Horovod as soon as it exists; Horovod fuses them
-            return distributed.allreduce_each(grads)
-        buckets = {}
-        for position, index in enumerate(indices):
-            buckets.setdefault(int(np.searchsorted(self.split_points, index, side="right")), []).append(position)
-        reduced = [None] * len(grads)
-        for positions in buckets.values():
-            for position, g in zip(positions, distributed.grouped_allreduce([grads[p] for p in positions])):
-                reduced[position] = g
-        return reduced
-
     def _apply(self, grads, variables):
         # Keras' TF optimizer passes the gradients through a custom_gradient that wants them
         # all from one graph; inside a cond some would otherwise be captures of the outer graph.
         grads = [tf.identity(g) for g in grads]
         for stage in self._with("transform"):
             grads = stage.transform(grads, variables)
-        applying = self._with("apply_update")
-        if applying:
-            applying[0].apply_update(self.optimizer, grads, variables)
-        else:
-            self.optimizer.apply(grads, variables)
+        self._with("apply_update")[0].apply_update(self.optimizer, grads, variables)
 
 
 def _check_stage(stage):
     if not isinstance(stage, Stage):
         raise TypeError(f"`stages` must hold keras_boost Stage objects, got {stage!r} ({type(stage).__name__}).")
     return stage
-
-
-class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
-    """The boost step with loss scaling (MindSpore's BoostTrainOneStepWithLossScaleCell).
-
-    Args:
-        model: the Keras model being trained.
-        optimizer: a `keras.optimizers.Optimizer`.
-        scale_sense: a `DynamicLossScale` / `FixedLossScale`, or a tensor of shape () or
-            (1,) holding a fixed scale (change it between steps with `set_sense_scale`).
-        **options: the other options of `BoostTrainOneStep`.
-
-    Example:
-        >>> step = keras_boost.BoostTrainOneStepWithLossScale(
-        ...     model, optimizer, keras_boost.DynamicLossScale())
-    """
-
-    def __init__(self, model, optimizer, scale_sense, **options):
-        super().__init__(model, optimizer, loss_scale=as_loss_scale(scale_sense), **options)
-
-    def __call__(self, *inputs):
-        """One training step; returns `(loss, overflow, scale)` as MindSpore's cell: the
-        loss, whether this step's gradients overflowed, and the scale used in this step."""
-        return super().__call__(*inputs)
-
-    def set_sense_scale(self, value):
-        """Sets the loss scale from the host (MindSpore's `set_sense_scale`)."""
-        if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, numbers.Real)) or isinstance(value, bool):
-            raise TypeError(f"The input type must be Tensor, but got {type(value).__name__}")
-        self.loss_scale.scale.assign(tf.reshape(tf.cast(value, tf.float32), []))

@@ -8,7 +8,7 @@ the loop calls their hooks. A new stage is one new file plus one `register` line
 
 import importlib
 
-from keras_boost.step.contract import Stage
+from keras_boost.core.contract import Stage
 
 
 class _Entry:
@@ -52,8 +52,14 @@ def options():
     return [e.cls.option for e in _ENTRIES]
 
 
-def make_stages(values, model):
-    """The stages for the given option values (missing options are off), in registry order."""
+def make_stages(values, model, extra=(), defaults=None):
+    """The stages for the given option values (missing options are off), in registry order.
+
+    `extra`: stages given as objects (`stages=[...]`), run after the registry's. Then, for
+    every single hook that no stage owns and a default stage fills (`Stage.default_for`:
+    the averaging `reduce`, the optimizer's `apply_update`), that default, made from its
+    option in `defaults`.
+    """
     _ensure_builtin()
     unknown = sorted(set(values) - set(options()))
     if unknown:
@@ -63,7 +69,40 @@ def make_stages(values, model):
         if any(made.get(option) is not None for option in entry.unless):
             continue
         made[entry.cls.option] = entry.cls.from_option(values.get(entry.cls.option), model)
-    return [stage for stage in made.values() if stage is not None]
+    stages = [stage for stage in made.values() if stage is not None] + list(extra)
+    for cls in _DEFAULTS:
+        if not any(stage.overrides(cls.default_for) for stage in stages):
+            stages.append(cls.from_option((defaults or {}).get(cls.option), model))
+    return stages
+
+
+def is_default(stage):
+    """Whether `stage` is one the registry adds by itself (not saved with the step's options)."""
+    return type(stage) in _DEFAULTS
+
+
+def step_attributes():
+    """{name: option}: the names under which a step gives its stages (`step.loss_scale`, ...)."""
+    _ensure_builtin()
+    return {e.cls.step_attribute: e.cls.option for e in _ENTRIES if e.cls.step_attribute}
+
+
+def unwrap_optimizer(optimizer, options):
+    """The optimizer that applies the updates, with `options` completed from an optimizer adapter.
+
+    An optimizer adapter of a stage (`FreezeOpt`) names the option it stands for in
+    `boost_option`; when `unwraps_into_step` is true, the step runs that stage and the
+    adapter's inner `optimizer` applies the updates. `options` is updated in place.
+    """
+    option = getattr(optimizer, "boost_option", None)
+    if option is None or not getattr(optimizer, "unwraps_into_step", False):
+        return optimizer
+    given = options.get(option)
+    if given is not None and given is not optimizer:
+        raise ValueError(f"the optimizer is a {type(optimizer).__name__} and `{option}` is given too: pass the "
+                         f"{optimizer.boost_option_what} once, either as the optimizer or as {option}")
+    options[option] = optimizer
+    return optimizer.optimizer
 
 
 # ----------------------------------------------------------------- levels
@@ -120,7 +159,8 @@ def deserialize(config):
 def step_config(step):
     """The options of a compiled step as a JSON-serialisable dict (for `.keras` files)."""
     return {"sens": step.sens, "gradient_split_groups": step.split_points or None,
-            "nan_guard": step.nan_guard, "stages": {s.option: serialize(s) for s in step.stages}}
+            "nan_guard": step.stage("nan_guard") is not None,
+            "stages": {s.option: serialize(s) for s in step.stages if not is_default(s)}}
 
 
 def options_from_config(config):
@@ -135,6 +175,28 @@ def options_from_config(config):
 
 # ---------------------------------------------------------------- builtin
 _BUILTIN_LOADED = False
+_DEFAULTS = []  # the default stages of single hooks, made when no other stage owns the hook
+
+
+# keras_boost's own stages, in their order: (module under keras_boost.stages, class, options that
+# replace it). A built-in feature is its stage file plus one line here.
+BUILTIN = (
+    ("loss_scale", "LossScale", ()),
+    ("nan_guard", "NonFiniteGuard", ("loss_scale",)),
+    ("accumulation", "GradientAccumulation", ()),
+    ("freeze", "FreezeSchedule", ()),
+    ("centralization", "GradientCentralization", ()),
+    ("clipping", "GradientClipping", ()),
+    ("adasum", "AdaSum", ()),
+    ("compression", "GradientCompression", ()),
+    ("hierarchical", "HierarchicalAllreduce", ()),
+)
+# the default stages of single hooks, made when no other stage owns the hook
+BUILTIN_DEFAULTS = (("average", "Average"), ("optimizer_update", "OptimizerUpdate"))
+
+
+def _stage_class(module, name):
+    return getattr(importlib.import_module(f"keras_boost.stages.{module}"), name)
 
 
 def _ensure_builtin():
@@ -143,16 +205,6 @@ def _ensure_builtin():
     if _BUILTIN_LOADED:
         return
     _BUILTIN_LOADED = True
-    from keras_boost.stages.accumulation import GradientAccumulation
-    from keras_boost.stages.adasum import AdaSum
-    from keras_boost.stages.centralization import GradientCentralization
-    from keras_boost.stages.compression import GradientCompression
-    from keras_boost.stages.freeze import FreezeSchedule
-    from keras_boost.stages.hierarchical import HierarchicalAllreduce
-    from keras_boost.stages.loss_scale import LossScale
-    from keras_boost.stages.nan_guard import NonFiniteGuard
-
-    builtin = [_Entry(LossScale), _Entry(NonFiniteGuard, unless=("loss_scale",)), _Entry(GradientAccumulation),
-               _Entry(FreezeSchedule), _Entry(GradientCentralization), _Entry(AdaSum),
-               _Entry(GradientCompression), _Entry(HierarchicalAllreduce)]
+    builtin = [_Entry(_stage_class(module, name), unless) for module, name, unless in BUILTIN]
     _ENTRIES[:0] = [e for e in builtin if e.cls.option not in [x.cls.option for x in _ENTRIES]]
+    _DEFAULTS[:] = [_stage_class(module, name) for module, name in BUILTIN_DEFAULTS]

@@ -9,7 +9,7 @@ import warnings
 
 import keras
 
-from keras_boost.compat.params import OptimizerProcess
+from keras_boost.mindspore.params import OptimizerProcess
 from keras_boost.config import DEFAULTS, FEATURES, LEVELS, MODES, BoostConfig, read_config  # noqa: F401
 from keras_boost.graph.less_bn import LessBN, has_dense_head
 from keras_boost._keras_compat import Functional

@@ -69,9 +69,25 @@ class BoostState(keras.layers.Layer):
 
 def state_variables(model):
     """The model's variables with its boost state (kept out of `model.variables`), no duplicates."""
-    found, seen = [], set()
+    return training_variables(model, optimizer=None)
+
+
+def training_variables(model, optimizer="model", extra=()):
+    """Every variable a worker must agree on, in one order: the model's, its boost state's, the optimizer's.
+
+    The one list that the broadcast when `fit` starts, elastic training's state and the
+    standalone step's broadcast all use. `optimizer`: "model" (the model's own, if compiled),
+    None (none) or an optimizer; `extra`: more variables (a standalone step's own state).
+    No variable appears twice.
+    """
+    if optimizer == "model":
+        optimizer = getattr(model, "optimizer", None)
     state = getattr(model, "boost_state", None)
-    for variable in list(model.variables) + (list(state.variables) if isinstance(state, BoostState) else []):
+    candidates = list(model.variables) + (list(state.variables) if isinstance(state, BoostState) else [])
+    candidates += list(optimizer.variables) if optimizer is not None else []
+    candidates += list(extra)
+    found, seen = [], set()
+    for variable in candidates:
         if id(variable) not in seen:
             seen.add(id(variable))
             found.append(variable)

@@ -1,0 +1,118 @@
+"""Gradient freezing, the stage of the boost step: which group trains, and where the sequence stands."""
+
+import tensorflow as tf
+
+from keras_boost.core.contract import Stage
+from keras_boost.stages.freeze.groups import resolve_paths
+from keras_boost.stages.freeze.optimizer import FreezeOpt, GradientFreeze, freeze_cell
+
+
+class FreezeSchedule(Stage):
+    """The gradient-freeze stage of the boost step: which group trains, and where the sequence stands.
+
+    Made from a `GradientFreeze` (groups split from the model when the step is built) or
+    a ready `FreezeOpt`. Its position in the sequence is a variable, so a restored run
+    continues the same schedule; it advances once per optimizer update (a whole
+    accumulation window trains one group) and wraps around at the end of the sequence.
+    """
+
+    option = "gradient_freeze"
+    step_attribute = "freeze"
+
+    def __init__(self, source):
+        if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
+            raise TypeError(f"`gradient_freeze` must be a GradientFreeze or a FreezeOpt, got {type(source).__name__}")
+        self.source = source
+        self.plan = None
+
+    @classmethod
+    def from_option(cls, value, model):
+        """None, a `GradientFreeze`, a `FreezeOpt` or a ready `FreezeSchedule`."""
+        if value is None or isinstance(value, FreezeSchedule):
+            return value
+        return cls(value)
+
+    def get_config(self):
+        if isinstance(self.source, GradientFreeze):
+            return {"GradientFreeze": self.source.get_config()}
+        groups = [[v.path for v in branch.variables] for branch in self.plan.branches]
+        return {"FreezeOpt": {"groups": groups, "strategy": [int(i) for i in self.plan.schedule]}}
+
+    @classmethod
+    def from_config(cls, config):
+        if "GradientFreeze" in config:
+            return cls(GradientFreeze.from_config(config["GradientFreeze"]))
+        return cls(_SavedFreezeOpt(**config["FreezeOpt"]))
+
+    def build(self, context):
+        state, model, optimizer = context.state, context.model, context.optimizer
+        freeze_opt = self.source
+        if isinstance(freeze_opt, _SavedFreezeOpt):
+            freeze_opt = freeze_opt.resolve(model, optimizer)
+        if isinstance(freeze_opt, GradientFreeze):
+            _, freeze_opt = freeze_opt.freeze_generate(model, optimizer)
+        elif freeze_opt.optimizer is not optimizer:
+            # The step applies every update with its own optimizer; a different one here
+            # would be silently ignored, with its learning rate and state.
+            raise ValueError(
+                "The optimizer of `gradient_freeze` (a FreezeOpt) must be the optimizer the "
+                f"model is compiled with: got {type(freeze_opt.optimizer).__name__} "
+                f"{freeze_opt.optimizer.name!r}, but the model uses {type(optimizer).__name__} "
+                f"{optimizer.name!r}. Pass the same instance to compile(optimizer=...)."
+            )
+        self.plan = freeze_cell(model, freeze_opt)
+        self.position = state.add_state("freeze/position", 0, "int64")
+        self.last_group = state.add_state("freeze/group", 0, "int32")
+
+    @property
+    def group_indices(self):
+        """Per group, the indices of its variables in `model.trainable_variables`."""
+        return [list(branch.indices) for branch in self.plan.branches]
+
+    def select_branch(self):
+        return self.group_indices, self.current_group
+
+    def after_update(self):
+        self.advance()
+
+    def upcoming_branch(self):
+        """(group, updates): the group of the next update and how many updates in a row train it."""
+        schedule, period = self.plan.schedule, self.plan.period
+        position = int(self.position.numpy()) % period
+        group = int(schedule[position])
+        updates = 1
+        while updates < period and schedule[(position + updates) % period] == group:
+            updates += 1
+        return group, updates
+
+    def enter_branch(self, branch):
+        """Inside the compiled step of group `branch`: checks the sequence agrees, records the group."""
+        expected = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        check = tf.debugging.assert_equal(
+            expected, tf.constant(branch, tf.int32),
+            message=f"the compiled step of freeze group {branch} ran where the freeze sequence names another group")
+        with tf.control_dependencies([check] if check is not None else []):
+            self.last_group.assign(tf.constant(branch, tf.int32))
+
+    def current_group(self):
+        group = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        self.last_group.assign(group)
+        return group
+
+    def advance(self):
+        self.position.assign((self.position.value + 1) % self.plan.period)
+
+    def logs(self):
+        return {"freeze_group": self.last_group.value}
+
+
+class _SavedFreezeOpt:
+    """A FreezeOpt read back from a saved configuration: groups by variable path, resolved at build."""
+
+    def __init__(self, groups, strategy):
+        self.groups = groups
+        self.strategy = strategy
+
+    def resolve(self, model, optimizer):
+        groups = resolve_paths(self.groups, model.trainable_variables, "the saved boost configuration")
+        return FreezeOpt(optimizer, groups, self.strategy)
