@@ -1,15 +1,19 @@
-"""The compute precision of a run: float32 on CPUs, mixed precision on GPUs that gain from it.
+"""The compute precision of a run: mixed precision where the hardware has native low-precision math.
 
-`keras-boost train/bench --precision auto` (the default) and `resolve_precision("auto", level)`
-choose, for the boost levels O1 and O2 on GPUs:
-- `mixed_bfloat16` when every visible GPU has compute capability 8.0 or more (Ampere,
-  Hopper: bfloat16 tensor cores; no loss scaling needed);
-- `mixed_float16` on compute capability 7.x (Volta, Turing: float16 tensor cores only),
-  with keras_boost's dynamic loss scale (`BoostModel.compile(loss_scale=None)` turns it on
-  under this policy);
-- `float32` otherwise: on CPUs (float16 convolutions fall back to slow kernels there;
-  bfloat16 is measured in docs/benchmarks.md but not chosen automatically), on older
-  GPUs, and at level O0, which stays plain Keras.
+`keras-boost train/bench --precision auto` (the default), `resolve_precision("auto", level)`
+and `keras_boost.precision.set_auto_policy(level)` (for your own script, before the model
+is built) choose, for the boost levels O1 and O2:
+- on GPUs: `mixed_bfloat16` when every visible GPU has compute capability 8.0 or more
+  (Ampere, Hopper: bfloat16 tensor cores; no loss scaling needed); `mixed_float16` on
+  compute capability 7.x (Volta, Turing: float16 tensor cores only), with keras_boost's
+  dynamic loss scale (`BoostModel.compile(loss_scale=None)` turns it on under this
+  policy); float32 on older GPUs;
+- on CPUs: `mixed_bfloat16` when the CPU has native bfloat16 instructions (the
+  `avx512_bf16` or `amx_bf16` flag in /proc/cpuinfo: Cooper Lake, Sapphire Rapids and
+  later Xeons, Zen 4 and later), where oneDNN runs bfloat16 convolutions and matrix
+  products in hardware (measured in docs/benchmarks.md, "Mixed precision on CPUs");
+  float32 on every other CPU, where bfloat16 is emulated and many times slower;
+- float32 at level O0, which stays plain Keras, and wherever the hardware is unknown.
 """
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -17,8 +21,8 @@ CHOICES = ("auto", *POLICIES)
 AUTO_LEVELS = ("O1", "O2")
 
 
-def choose_policy(precision, level, compute_capabilities):
-    """The Keras dtype policy name for `precision` at boost `level` on GPUs of `compute_capabilities`.
+def choose_policy(precision, level, compute_capabilities, cpu_bf16=False):
+    """The Keras dtype policy name for `precision` at boost `level` on this hardware.
 
     Pure (no TensorFlow): the rule of `resolve_precision`.
 
@@ -26,13 +30,19 @@ def choose_policy(precision, level, compute_capabilities):
         precision: "auto" or one of POLICIES (returned unchanged).
         level: the boost level, "O0", "O1" or "O2" (None counts as "O0").
         compute_capabilities: one `(major, minor)` per visible GPU; empty on a CPU machine.
+        cpu_bf16: whether the CPU has native bfloat16 instructions (`cpu_has_native_bf16`);
+            used when there is no GPU.
     """
     if precision not in CHOICES:
         raise ValueError(f"precision must be one of {CHOICES}, got {precision!r}")
     if precision != "auto":
         return precision
+    if (level or "O0") not in AUTO_LEVELS:
+        return "float32"
     capabilities = [tuple(c) if c else None for c in compute_capabilities]
-    if (level or "O0") not in AUTO_LEVELS or not capabilities or None in capabilities:
+    if not capabilities:
+        return "mixed_bfloat16" if cpu_bf16 else "float32"
+    if None in capabilities:
         return "float32"
     lowest = min(capabilities)
     if lowest >= (8, 0):
@@ -40,6 +50,27 @@ def choose_policy(precision, level, compute_capabilities):
     if lowest >= (7, 0):
         return "mixed_float16"
     return "float32"
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo="/proc/cpuinfo"):
+    """The CPU's feature flags (the `flags` line of /proc/cpuinfo); empty where it cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16(flags=None):
+    """Whether the CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    flags = cpu_flags() if flags is None else set(flags)
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
 def gpu_compute_capabilities():
@@ -54,7 +85,24 @@ def gpu_compute_capabilities():
 
 
 def resolve_precision(precision, level):
-    """`choose_policy` on this process's GPUs; call after `distributed.init()` (GPU pinning)."""
+    """`choose_policy` on this process's GPUs and CPU; call after `distributed.init()` (GPU pinning)."""
     if precision != "auto":
         return choose_policy(precision, level, [])
-    return choose_policy(precision, level, gpu_compute_capabilities())
+    capabilities = gpu_compute_capabilities()
+    return choose_policy(precision, level, capabilities, cpu_bf16=not capabilities and cpu_has_native_bf16())
+
+
+def set_auto_policy(level="O1", precision="auto"):
+    """Sets Keras' global dtype policy to `resolve_precision(precision, level)`; returns its name.
+
+    Call it before the model's layers are made (the policy is read when a layer is
+    created), as `keras.config.set_dtype_policy`:
+
+    >>> keras_boost.precision.set_auto_policy("O1")   # 'mixed_bfloat16' on an AVX512-BF16 CPU
+    >>> model = keras_boost.BoostModel(inputs, outputs, boost_level="O1")
+    """
+    import keras
+
+    policy = resolve_precision(precision, level)
+    keras.config.set_dtype_policy(policy)
+    return policy

@@ -9,7 +9,7 @@ import pytest
 import keras_boost as kb
 from keras_boost import AdaSum, AutoBoost, BoostModel, GradientCentralization, generate_freeze_index_sequence
 from keras_boost.config import DEFAULTS, FEATURES
-from keras_boost.stages.freeze import FreezeSchedule
+from keras_boost.stages.freeze import FreezeStage
 from keras_boost.app.demo_net import demo_resnet
 from tests.helpers import classification_data
 
@@ -104,7 +104,7 @@ def test_network_auto_process_train_demo_model():
     assert sum(isinstance(l, keras.layers.BatchNormalization) for l in base.layers) == 9  # input unchanged
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     step = model.boost_step
-    assert isinstance(step.freeze, FreezeSchedule)
+    assert isinstance(step.freeze, FreezeStage)
     assert isinstance(step.centralization, GradientCentralization) and isinstance(step.adasum, AdaSum)
     x = np.random.default_rng(0).random((64, 28, 28, 1), dtype=np.float32)
     y = np.arange(64) % 10
@@ -123,7 +123,7 @@ def test_network_auto_process_train_resnet50():
     assert sum(isinstance(l, keras.layers.BatchNormalization) for l in model.layers) == 53 - 36
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     step = model.boost_step
-    assert isinstance(step.freeze, FreezeSchedule) and len(step.freeze.group_indices) == 2
+    assert isinstance(step.freeze, FreezeStage) and len(step.freeze.group_indices) == 2
     assert isinstance(step.centralization, GradientCentralization) and step.adasum is None
     x = np.random.default_rng(0).random((8, 32, 32, 3), dtype=np.float32)
     y = np.arange(8) % 10

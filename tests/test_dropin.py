@@ -1,4 +1,4 @@
-"""BoostModel as a drop-in for keras.Model in ordinary Keras code (issue 14), one process."""
+"""BoostModel as a drop-in for keras.Model in ordinary Keras code, one process."""
 
 import keras
 import numpy as np

@@ -1,4 +1,4 @@
-"""BoostModel as a drop-in on 2 Horovod workers (issue 14): real processes under horovodrun.
+"""BoostModel as a drop-in on 2 Horovod workers: real processes under horovodrun.
 
 Each check is a scenario of the shared launch of its controller (`tests.launch.shared`);
 the rank-0-only one is the last scenario of its launch (the other workers exit meanwhile).

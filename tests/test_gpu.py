@@ -142,6 +142,29 @@ def test_precision_choice(precision, level, capabilities, expected):
     assert choose_policy(precision, level, capabilities) == expected
 
 
+@pytest.mark.parametrize("level, capabilities, cpu_bf16, expected", [
+    ("O1", [], True, "mixed_bfloat16"),       # a CPU with AVX512-BF16 or AMX
+    ("O2", [], True, "mixed_bfloat16"),
+    ("O0", [], True, "float32"),              # O0 stays plain Keras
+    ("O1", [], False, "float32"),             # bfloat16 emulated: many times slower
+    ("O1", [(7, 0)], True, "mixed_float16"),  # a GPU decides, not the host CPU
+    ("O1", [(6, 1)], True, "float32"),
+])
+def test_precision_choice_on_cpus(level, capabilities, cpu_bf16, expected):
+    assert choose_policy("auto", level, capabilities, cpu_bf16=cpu_bf16) == expected
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    from keras_boost.precision import cpu_flags, cpu_has_native_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert "avx512_bf16" in cpu_flags(str(info)) and cpu_has_native_bf16(cpu_flags(str(info)))
+    assert cpu_has_native_bf16({"amx_bf16", "amx_tile"})
+    assert not cpu_has_native_bf16({"avx2", "avx512f", "avx512_vnni"})
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
 def test_bad_precision():
     with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'float32', 'mixed_float16', "
                                          r"'mixed_bfloat16'\), got 'float16'"):

@@ -160,7 +160,7 @@ def test_fn_flag_replaces_the_output_dense_and_keeps_its_activation():
     f = np.asarray(features(x))
     w = head.kernel.numpy()
     cosine = (f / np.linalg.norm(f, axis=1, keepdims=True)) @ (w / np.linalg.norm(w, axis=0, keepdims=True))
-    assert float(head.multiplier.numpy()) == 16.0  # a cosine-classifier scale, not MindSpore's 1.0 (issue 14)
+    assert float(head.multiplier.numpy()) == 16.0  # a cosine-classifier scale, not MindSpore's 1.0 (docs/less_bn.md)
     logits = 16.0 * cosine
     expected = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(lean(x), expected, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Regression tests of issue 16: MindSpore's names and configs work as its API document says."""
+"""MindSpore's names and configs work as its API document says."""
 
 import warnings
 

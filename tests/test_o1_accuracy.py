@@ -1,4 +1,4 @@
-"""O1 must keep O0's accuracy on an ordinary softmax-headed CNN (issue 14, point 6)."""
+"""O1 must keep O0's accuracy on an ordinary softmax-headed CNN."""
 
 import keras
 import numpy as np

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from keras_boost import AdaSum, BoostModel, DynamicLossScale, FixedLossScale, GradientAccumulation
 from keras_boost import GradientCentralization, GradientFreeze
-from keras_boost.stages.freeze import FreezeSchedule
-from keras_boost.stages.nan_guard import NonFiniteGuard
+from keras_boost.stages.freeze import FreezeStage
+from keras_boost.stages.nan_guard import NanGuard
 from keras_boost.step import Stage, registry
 from tests.helpers import classification_data, mlp, weights
 
@@ -107,10 +107,10 @@ def test_register_rejects_a_non_stage_and_an_unnamed_stage():
     DynamicLossScale(init_scale=64.0, scale_window=7, hysteresis=2),
     FixedLossScale(8.0, drop_overflow_update=False),
     GradientAccumulation(3),
-    FreezeSchedule(GradientFreeze(param_groups=2, freeze_p=0.5, total_steps=10)),
+    FreezeStage(GradientFreeze(param_groups=2, freeze_p=0.5, total_steps=10)),
     GradientCentralization(min_channels_multiple=4),
     AdaSum(device_number=1, backend="exact"),
-    NonFiniteGuard(),
+    NanGuard(),
 ], ids=lambda s: type(s).__name__)
 def test_every_builtin_stage_round_trips_its_config(stage):
     restored = registry.deserialize(registry.serialize(stage))

@@ -178,6 +178,15 @@ class Stage:
             return value
         raise TypeError(f"`{cls.option}` must be None or a {cls.__name__}, got {value!r} ({type(value).__name__}).")
 
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """The value of this stage's option that a boost level (`config.BoostConfig`) switches on, or None.
+
+        With `validate=True`, the value is made from the configuration's parameters even when
+        the level leaves the feature off, so that bad values fail when the model is made.
+        """
+        return None
+
     def overrides(self, hook):
         return getattr(type(self), hook) is not getattr(Stage, hook)
 

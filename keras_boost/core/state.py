@@ -1,9 +1,10 @@
 """BoostState: the Keras layer that holds every boost stage's variables.
 
 BoostModel owns one; each stage creates its variables in it with `add_state`, in a fixed
-order. Being a tracked layer of the model, it is saved and restored by `model.save`,
-`save_weights`, `tf.train.Checkpoint` and `BackupAndRestore`, and broadcast with the
-other model variables.
+order. It is kept out of Keras' layer tracking (so the model's weights equal a
+`keras.Model`'s), yet saved and restored by `model.save`, `save_weights` (Keras' saving
+walks the attributes), `tf.train.Checkpoint` (an explicit edge) and `BackupAndRestore`,
+and broadcast with the other variables (`training_variables`).
 """
 
 import keras

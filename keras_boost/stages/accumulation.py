@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from keras_boost import _keras_compat
 from keras_boost._validation import check_int
-from keras_boost.core.contract import Stage, Window
+from keras_boost.core.contract import Stage, StepContext, Window
 
 
 class GradientAccumulation(Stage):
@@ -129,7 +129,7 @@ class GradientAccumulation(Stage):
                 if not self.optimizer.built:
                     self.optimizer.build(list(variables))
                 self.state = BoostState(name="gradient_accumulation_state")
-                self.build(_CallContext(list(variables), self.state))
+                self.build(StepContext(None, self.optimizer, list(variables), self.state))
         grads = list(grads)
         if len(grads) != len(self.variables):
             raise ValueError(f"`grads` must hold one gradient per variable ({len(self.variables)}), got {len(grads)}")
@@ -144,14 +144,13 @@ class GradientAccumulation(Stage):
         tf.cond(boundary, apply, lambda: tf.constant(False))
         return loss
 
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """The configuration's `grad_accumulation_step`."""
+        steps = boost_config.params["grad_accumulation"]["grad_accumulation_step"]
+        if validate:
+            return cls(steps)
+        return steps if boost_config.features["grad_accumulation"] else None
+
     def get_config(self):
         return {"max_accumulation_step": self.max_accumulation_step}
-
-
-class _CallContext:
-    """The part of a StepContext the stage reads, for the callable form."""
-
-    def __init__(self, variables, state):
-        self.variables = variables
-        self.state = state
-        self.optimizer = None

@@ -29,7 +29,7 @@ import warnings
 
 from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
-from keras_boost.core.contract import Stage
+from keras_boost.core.contract import Stage, StepContext
 
 logger = logging.getLogger("keras_boost")
 
@@ -202,7 +202,7 @@ class AdaSum(Stage):
         """
         if not self.built:
             with tf.init_scope():
-                self.build(_CallContext(tuple(self.parameter_tuple or parameters)))
+                self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
         if self.groups == 1:
             # One group: the deltas are already identical on every worker (averaged gradients).
             for variable, old, delta in zip(parameters, old_parameters, delta_weights):
@@ -214,13 +214,17 @@ class AdaSum(Stage):
             variable.assign(old - delta)
         return parameters
 
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """AdaSum over `device_number` workers per group. A level's AdaSum (not switched on by
+        name) is turned off, with a warning, when device_number does not fit the launch, as
+        MindSpore does; switched on by name (`strict`) it is an error."""
+        params = boost_config.params
+        if not validate and not boost_config.features["adasum"]:
+            return None
+        return cls(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"],
+                   strict=not validate and "adasum" in getattr(boost_config, "explicit", ()))
+
     def get_config(self):
         return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend,
                 "strict": self.strict}
-
-
-class _CallContext:
-    """The part of a StepContext AdaSum reads, for a direct call."""
-
-    def __init__(self, variables):
-        self.variables = variables

@@ -35,6 +35,14 @@ class Average(Stage):
     def from_option(cls, value, model):
         return cls(value)
 
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """The configuration's `common.gradient_split_groups` (None: each gradient on its own)."""
+        points = boost_config.params["common"]["gradient_split_groups"]
+        if validate:
+            _validation.check_split_points(points)
+        return points
+
     def get_config(self):
         return {"split_points": self.split_points or None}
 

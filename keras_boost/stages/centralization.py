@@ -91,6 +91,12 @@ class GradientCentralization(Stage):
                              f"GradientCentralization, got {value!r}.")
         return super().from_option(value, model)
 
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """LessBN's `gc_flag`: MindSpore's rule on the model's `gc_variables`."""
+        less_bn = boost_config.features["less_bn"] and boost_config.params["less_bn"]["gc_flag"]
+        return cls() if less_bn and not validate else None
+
     def build(self, context):
         if not self._resolve_at_build:
             return

@@ -6,7 +6,8 @@ MindSpore's `scale_sense` is either a loss-scale "Cell" (here: `DynamicLossScale
 step is made, never in the middle of training.
 
 A stage's state (the scale, its counters and the last overflow flag) lives in variables
-created by `build(state)`, so checkpoints and `.keras` files carry it.
+created by `build(context)` in the step's `BoostState`, so checkpoints and `.keras` files
+carry it.
 """
 
 import math
@@ -57,7 +58,7 @@ class LossScale(Stage):
 
     def build(self, context):
         """Creates this stage's variables in the step's `BoostState`."""
-        state = getattr(context, "state", context)
+        state = context.state
         self.last_overflow = state.add_state("loss_scale/last_overflow", 0, "int32")
         self.overflow_count = state.add_state("loss_scale/overflow_count", 0, "int64")
 
@@ -139,7 +140,7 @@ class DynamicLossScale(LossScale):
 
     def build(self, context):
         super().build(context)
-        state = getattr(context, "state", context)
+        state = context.state
         self.scale = state.add_state("loss_scale/scale", self.init_scale, "float32")
         self.clean_steps = state.add_state("loss_scale/clean_steps", 0, "int64")
         self.overflow_streak = state.add_state("loss_scale/overflow_streak", 0, "int64")
@@ -187,7 +188,7 @@ class FixedLossScale(LossScale):
 
     def build(self, context):
         super().build(context)
-        state = getattr(context, "state", context)
+        state = context.state
         self.scale = self._variable or state.add_state("loss_scale/scale", self.value, "float32")
 
     def get_config(self):

@@ -13,7 +13,7 @@ from keras_boost._validation import check_bool
 from keras_boost.core.contract import Stage
 
 
-class NonFiniteGuard(Stage):
+class NanGuard(Stage):
     """Skips (and counts) updates whose averaged gradient is not finite (optax's `apply_if_finite`)."""
 
     option = "nan_guard"
@@ -27,7 +27,7 @@ class NonFiniteGuard(Stage):
     def from_option(cls, value, model):
         if value is None:
             return None
-        if isinstance(value, NonFiniteGuard):
+        if isinstance(value, NanGuard):
             return value
         return cls() if check_bool("nan_guard", value) else None
 

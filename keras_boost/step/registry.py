@@ -107,41 +107,24 @@ def unwrap_optimizer(optimizer, options):
 
 # ----------------------------------------------------------------- levels
 def level_options(boost_config):
-    """The compile options a `keras_boost.config.BoostConfig` switches on (no model needed)."""
-    from keras_boost.stages.adasum import AdaSum
-    from keras_boost.stages.centralization import GradientCentralization
-    from keras_boost.stages.freeze import GradientFreeze
+    """The compile options a `keras_boost.config.BoostConfig` switches on (no model needed).
 
-    features, params = boost_config.features, boost_config.params
+    Each stage class says what a level means for its option (`Stage.from_level`).
+    """
+    _ensure_builtin()
     found = {}
-    if features["less_bn"] and params["less_bn"]["gc_flag"]:
-        found["gradient_centralization"] = GradientCentralization()
-    if features["grad_freeze"]:
-        found["gradient_freeze"] = GradientFreeze(**params["grad_freeze"])
-    if features["adasum"]:
-        # A level's AdaSum (not switched on by name) is turned off, with a warning, when
-        # device_number does not fit the launch, as MindSpore does.
-        found["adasum"] = AdaSum(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"],
-                                 strict="adasum" in getattr(boost_config, "explicit", ()))
-    if features["grad_accumulation"]:
-        found["gradient_accumulation"] = params["grad_accumulation"]["grad_accumulation_step"]
-    if params["common"]["gradient_split_groups"] is not None:
-        found["gradient_split_groups"] = params["common"]["gradient_split_groups"]
+    for cls in [e.cls for e in _ENTRIES] + _DEFAULTS:
+        value = cls.from_level(boost_config)
+        if value is not None:
+            found[cls.option] = value
     return found
 
 
 def validate_level(boost_config):
     """Makes every stage a configuration describes once, so bad values fail at construction."""
-    from keras_boost import _validation
-    from keras_boost.stages.accumulation import GradientAccumulation
-    from keras_boost.stages.adasum import AdaSum
-    from keras_boost.stages.freeze import GradientFreeze
-
-    params = boost_config.params
-    GradientFreeze(**params["grad_freeze"])
-    GradientAccumulation(params["grad_accumulation"]["grad_accumulation_step"])
-    AdaSum(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"])
-    _validation.check_split_points(params["common"]["gradient_split_groups"])
+    _ensure_builtin()
+    for cls in [e.cls for e in _ENTRIES] + _DEFAULTS:
+        cls.from_level(boost_config, validate=True)
 
 
 # ----------------------------------------------------------------- config
@@ -182,9 +165,9 @@ _DEFAULTS = []  # the default stages of single hooks, made when no other stage o
 # replace it). A built-in feature is its stage file plus one line here.
 BUILTIN = (
     ("loss_scale", "LossScale", ()),
-    ("nan_guard", "NonFiniteGuard", ("loss_scale",)),
+    ("nan_guard", "NanGuard", ("loss_scale",)),
     ("accumulation", "GradientAccumulation", ()),
-    ("freeze", "FreezeSchedule", ()),
+    ("freeze", "FreezeStage", ()),
     ("centralization", "GradientCentralization", ()),
     ("clipping", "GradientClipping", ()),
     ("adasum", "AdaSum", ()),

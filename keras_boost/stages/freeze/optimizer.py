@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from keras_boost._validation import check_int, check_steps
+from keras_boost.config import DEFAULTS
 from keras_boost.stages.freeze.groups import FreezePlan, _branch, _check_groups, resolve_paths, split_parameters_groups
 from keras_boost.stages.freeze.sequence import (_check_freeze_p, _check_indices, _check_seed, _check_strategy,
                                                  _strategy_array, generate_freeze_index_sequence, round_robin)
@@ -248,11 +249,18 @@ def freeze_cell(model, freeze_opt):
     return FreezePlan(branches, schedule)
 
 
+_DEFAULT = DEFAULTS["grad_freeze"]  # keras_boost's freeze defaults live in config.py only
+
+
 class GradientFreeze:
     """Gradient freezing: trains a deep suffix of the network on a share of the steps.
 
     Splits the trainable variables into `param_groups` nested groups and generates the
     group sequence; the boost train step then trains group `sequence[step]` at each step.
+
+    Every argument left out takes keras_boost's default from
+    `keras_boost.config.DEFAULTS["grad_freeze"]`, the one place those defaults live (the
+    values below are the ones it holds).
 
     Args:
         param_groups: int (>= 1), the number of groups `G`. Defaults to 4 (MindSpore's
@@ -275,7 +283,8 @@ class GradientFreeze:
     >>> model, freeze_opt = freeze.freeze_generate(model, keras.optimizers.SGD(0.1))
     """
 
-    def __init__(self, param_groups=4, freeze_type=0, freeze_p=0.7, total_steps=65536, seed=0):
+    def __init__(self, param_groups=_DEFAULT["param_groups"], freeze_type=_DEFAULT["freeze_type"],
+                 freeze_p=_DEFAULT["freeze_p"], total_steps=_DEFAULT["total_steps"], seed=_DEFAULT["seed"]):
         self.param_groups = check_int("param_groups", param_groups, 1)
         self.freeze_type = _check_strategy(freeze_type, "freeze_type")
         self.freeze_p = _check_freeze_p(freeze_p)

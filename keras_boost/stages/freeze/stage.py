@@ -7,7 +7,7 @@ from keras_boost.stages.freeze.groups import resolve_paths
 from keras_boost.stages.freeze.optimizer import FreezeOpt, GradientFreeze, freeze_cell
 
 
-class FreezeSchedule(Stage):
+class FreezeStage(Stage):
     """The gradient-freeze stage of the boost step: which group trains, and where the sequence stands.
 
     Made from a `GradientFreeze` (groups split from the model when the step is built) or
@@ -27,10 +27,17 @@ class FreezeSchedule(Stage):
 
     @classmethod
     def from_option(cls, value, model):
-        """None, a `GradientFreeze`, a `FreezeOpt` or a ready `FreezeSchedule`."""
-        if value is None or isinstance(value, FreezeSchedule):
+        """None, a `GradientFreeze`, a `FreezeOpt` or a ready `FreezeStage`."""
+        if value is None or isinstance(value, FreezeStage):
             return value
         return cls(value)
+
+    @classmethod
+    def from_level(cls, boost_config, validate=False):
+        """A `GradientFreeze` of the configuration's `grad_freeze` parameters."""
+        if validate or boost_config.features["grad_freeze"]:
+            return GradientFreeze(**boost_config.params["grad_freeze"])
+        return None
 
     def get_config(self):
         if isinstance(self.source, GradientFreeze):
