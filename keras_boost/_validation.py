@@ -85,10 +85,12 @@ def check_instance(name, value, types, allowed):
 
 
 def check_split_points(points, name="gradient_split_groups"):
-    """None or strictly increasing positive ints (indices where a new fused allreduce starts)."""
+    """None or strictly increasing positive ints (indices where a new fused allreduce starts), or "each"."""
     if points is None:
         return []
-    allowed = "None or a strictly increasing list of positive ints"
+    if isinstance(points, str) and points == "each":
+        return "each"
+    allowed = "None, \"each\" or a strictly increasing list of positive ints"
     if not isinstance(points, (list, tuple)) or not all(
             isinstance(p, numbers.Integral) and not isinstance(p, bool) and p > 0 for p in points):
         raise ValueError(f"`{name}` must be {allowed}, {_got(points)}.")

@@ -22,8 +22,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     Build it like any Keras model, functionally (`BoostModel(inputs, outputs)`) or by
     subclassing, then `compile` it with the boost options and `fit` it. Under `horovodrun`
     or `mpirun` every worker runs the same script on its own shard of the data; gradients
-    are averaged across workers once per update (each handed to Horovod as the backward pass
-    produces it, fused by Horovod), all variables are broadcast from rank
+    are averaged across workers in one grouped allreduce per update, all variables are broadcast from rank
     0 when `fit` starts, the epoch logs of `fit` and `evaluate` are averaged across
     workers, and the progress bar is shown on rank 0 only.
 
@@ -41,7 +40,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
             update whose averaged gradient is not finite, before it reaches the weights
             (default True; False applies it anyway, like plain Keras).
-        gradient_split_groups: None (each gradient to Horovod when ready, fused there) or increasing indices
+        gradient_split_groups: None (one grouped allreduce per update), "each" (one allreduce per gradient, sent as soon as it exists) or increasing indices
             into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
         stages: more `keras_boost.step.Stage` objects to run in the step.

@@ -27,9 +27,8 @@ Configurations (`--configs`), all on the same model, synthetic data, per-worker 
     keras_boost-acc4   compile(..., gradient_accumulation=4): one allreduce per 4 micro-batches; the
                        rate counts every micro-batch's samples; warm-up and timed steps are rounded up
                        to multiples of 4 so that the timed window holds whole accumulation windows
-    keras_boost-O0-onegroup compile(..., gradient_split_groups=[1_000_000]): all gradients of an update
-                       in one grouped allreduce, which starts when the backward pass has finished (the
-                       default hands each gradient to Horovod as soon as it exists)
+    keras_boost-O0-each compile(..., gradient_split_groups="each"): every gradient to Horovod as soon as
+                       the backward pass produces it (the default: one grouped allreduce per update)
     keras_boost-adasum compile(..., adasum=True) (keras_boost.AdaSum; one worker per host, so every
                        worker is its own group)
     hvd-loop           what a Horovod user writes instead (Horovod's TF2 examples): `import
@@ -132,15 +131,14 @@ ROOT = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
-CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-onegroup")
+CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
     "keras_boost-fp16": {"compression": "float16"},
     "keras_boost-acc4": {"gradient_accumulation": 4},
     "keras_boost-adasum": {"adasum": True},
-    # every gradient in one grouped allreduce after the backward pass (keras_boost before
-    # December 2026): a split point past the last variable makes a single group
-    "keras_boost-O0-onegroup": {"gradient_split_groups": [1_000_000]},
+    # every gradient to Horovod as soon as the backward pass produces it (as Horovod's tape)
+    "keras_boost-O0-each": {"gradient_split_groups": "each"},
 }
 MODELS = ("demo", "resnet50-grad", "resnet50")
 # float32 gradient bytes per step (trainable parameters x 4), to decide which runs are slow.

@@ -216,8 +216,8 @@ BREAKS = (
           '        grads = self._communicate(grads, indices, self._with("reduce")[0].reduce)\n',
           '        grads = self._with("reduce")[0].reduce(grads, indices)\n',
           ("tests/test_compression.py::test_the_step_encodes_before_reduce_and_decodes_after_once_per_update",)),
-    Break("reduce_waits_for_backward", "the default reduce groups every gradient into one allreduce, which "
-          "waits for the whole backward pass (no overlap of communication with it)",
+    Break("each_waits_for_backward", 'gradient_split_groups="each" groups every gradient into one allreduce, '
+          "which waits for the whole backward pass (no overlap of communication with it)",
           "keras_boost/stages/average.py",
           "            return distributed.allreduce_each(grads)",
           "            return distributed.grouped_allreduce(grads)",

@@ -25,9 +25,10 @@ def test_two_workers_equal_one_process_with_twice_the_batch(controller):
     # 256 samples / (2 x 16) = 8 updates per epoch, one fused allreduce each
     assert found[0]["iterations"] == 16
     assert found[0]["collectives"] == 16
-    # each gradient goes to Horovod on its own, as soon as the backward pass produces it
+    # by default one grouped allreduce; with gradient_split_groups="each" every gradient goes to
+    # Horovod on its own, as soon as the backward pass produces it
     ops = found[0]["horovod_ops"]
-    assert ops["ops"] == {"HorovodAllreduce": ops["gradients"]}, ops
+    assert ops["ops"] == {"None": {"HorovodGroupedAllreduce": 1}, "each": {"HorovodAllreduce": ops["gradients"]}}, ops
 
 
 # Both worker scripts train for far longer than the launcher's timeout would allow (20 and 50

@@ -8,7 +8,7 @@ A boost step is a loop over stages at fixed hook points (see docs/architecture.m
     -> local_gradients   (grads, indices)              loss scale: unscale
     -> window            (grads, indices)              accumulation: add; go on at a boundary
     -> encode            (grads, indices)              compression: cast to the wire dtype
-    -> reduce            (grads, indices)              default: average, each gradient handed to Horovod when ready; AdaSum: inside its group;
+    -> reduce            (grads, indices)              default: average (one grouped allreduce); AdaSum: inside its group;
                                                        hierarchical: inside hosts, then across them
     -> decode            (grads, indices)              compression: cast back
     -> agree_finite      (finite)                      AdaSum: all groups agree

@@ -1,11 +1,14 @@
 """Data-parallel averaging: the default `reduce` of the boost step.
 
 Every worker ends each update with the mean of all workers' gradients, as Horovod's
-`DistributedGradientTape` gives. Without split points each gradient is handed to Horovod
-as soon as the backward pass produces it (Horovod's tensor fusion packs the ones that are
-ready in the same cycle), so the first gradients travel while the rest are computed.
-`gradient_split_groups` (MindSpore's option) makes one grouped allreduce per group of
-variable indices instead; each waits for all of its gradients.
+`DistributedGradientTape` gives. By default all gradients of an update go in one grouped
+allreduce (one negotiation, one fused buffer), which starts when the backward pass has
+produced them all. `gradient_split_groups` (MindSpore's option) makes one grouped
+allreduce per group of variable indices; `gradient_split_groups="each"` hands each
+gradient to Horovod as soon as the backward pass produces it, as Horovod's tape does
+(Horovod's tensor fusion packs the ones ready in the same cycle), so the first gradients
+travel while the rest are computed. Which pays depends on the link and the model
+(docs/communication.md has the measurements).
 
 The registry makes this stage when no other stage owns `reduce` (AdaSum and the
 hierarchical allreduce do); in a single process it returns the gradients unchanged.
@@ -21,8 +24,9 @@ class Average(Stage):
     """The mean of the workers' gradients (the step's default `reduce`).
 
     Args:
-        split_points: None, or strictly increasing variable indices at which a new
-            grouped allreduce starts (`compile(gradient_split_groups=...)`).
+        split_points: None (one grouped allreduce), strictly increasing variable indices
+            at which a new grouped allreduce starts, or "each" (one allreduce per gradient,
+            as soon as it exists) (`compile(gradient_split_groups=...)`).
     """
 
     option = "gradient_split_groups"
@@ -49,7 +53,7 @@ class Average(Stage):
     def reduce(self, grads, indices):
         if distributed.size() == 1:
             return grads
-        if not self.split_points:  # each gradient to Horovod as soon as it exists; Horovod fuses them
+        if self.split_points == "each":  # each gradient to Horovod as soon as it exists; Horovod fuses them
             return distributed.allreduce_each(grads)
         buckets = {}
         for position, index in enumerate(indices):

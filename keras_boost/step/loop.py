@@ -6,8 +6,8 @@
 
     [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
     -> local_gradients -> [window: go on only at a boundary]
-    -> encode -> reduce (default: each gradient to Horovod when ready, fused there; gradient_split_groups:
-       one grouped allreduce per group) -> decode
+    -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
+       "each": every gradient to Horovod as soon as it exists) -> decode
     -> [agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
 
@@ -48,9 +48,9 @@ class BoostStep:
         sens: scale of the loss gradient, default 1.0. As in MindSpore the gradients stay
             multiplied by it (with plain SGD it scales the learning rate); use a loss-scale
             stage for mixed precision instead.
-        gradient_split_groups: increasing variable indices at which a new grouped
-            allreduce starts, or None: each gradient goes to Horovod as soon as the
-            backward pass produces it, and Horovod's tensor fusion packs them.
+        gradient_split_groups: None (one grouped allreduce per update), increasing
+            variable indices at which a new grouped allreduce starts, or "each" (every
+            gradient to Horovod as soon as the backward pass produces it).
         stages: more `Stage` objects to run (after the registry's), e.g. your own.
         loss_fn: the loss, `loss_fn(y, y_pred[, sample_weight])` (MindSpore's
             `WithLossCell(network, loss_fn)`); default: the loss the model was compiled

@@ -53,20 +53,22 @@ def run(accumulation=1):
 
 
 def horovod_ops(x, y):
-    """{Horovod op type: count} in the compiled graph of one standalone step, and the gradient count.
+    """{split: {Horovod op type: count}} in the compiled graph of one standalone step, and the gradient count.
 
-    By default every gradient is its own allreduce, handed to Horovod when the backward pass
-    produces it; none is a grouped allreduce, which would wait for the whole backward pass.
+    By default all gradients go in one grouped allreduce; with gradient_split_groups="each"
+    every gradient is its own allreduce, handed to Horovod when the backward pass produces it.
     """
-    model = mlp(keras.Model, seed=0)
-    step = BoostTrainOneStep(model, keras.optimizers.SGD(0.1), loss_fn=keras.losses.SparseCategoricalCrossentropy())
-    data = (x[:16], y[:16])
-    step(*data)
-    graph = step._compiled[None].get_concrete_function(data).graph
     found = {}
-    for op in graph.get_operations():
-        if op.type.startswith("Horovod"):
-            found[op.type] = found.get(op.type, 0) + 1
+    for split in (None, "each"):
+        model = mlp(keras.Model, seed=0)
+        step = BoostTrainOneStep(model, keras.optimizers.SGD(0.1), gradient_split_groups=split,
+                                 loss_fn=keras.losses.SparseCategoricalCrossentropy())
+        data = (x[:16], y[:16])
+        step(*data)
+        counts = found[str(split)] = {}
+        for op in step._compiled[None].get_concrete_function(data).graph.get_operations():
+            if op.type.startswith("Horovod"):
+                counts[op.type] = counts.get(op.type, 0) + 1
     return dict(ops=found, gradients=len(model.trainable_variables))
 
 
