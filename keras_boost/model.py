@@ -103,8 +103,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
                  "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
                  "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
-        if isinstance(optimizer, keras.optimizers.Optimizer):  # a FreezeOpt becomes the freeze stage
-            optimizer = registry.unwrap_optimizer(optimizer, given)
+        optimizer = registry.unwrap_optimizer(optimizer, given)  # a FreezeOpt becomes the freeze stage
         for option in registry.options():  # options of stages registered by users
             if option in kwargs:
                 given[option] = kwargs.pop(option)

@@ -68,11 +68,6 @@ class BoostState(keras.layers.Layer):
         return inputs
 
 
-def state_variables(model):
-    """The model's variables with its boost state (kept out of `model.variables`), no duplicates."""
-    return training_variables(model, optimizer=None)
-
-
 def training_variables(model, optimizer="model", extra=()):
     """Every variable a worker must agree on, in one order: the model's, its boost state's, the optimizer's.
 

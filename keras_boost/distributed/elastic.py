@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from keras_boost import distributed
 from keras_boost._validation import check_int
+from keras_boost.core.state import training_variables
 from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback
 
 logger = logging.getLogger("keras_boost")
@@ -62,13 +63,6 @@ def _failure_lines(error):
 def elastic_launch():
     """Whether this process was started by `horovodrun` in elastic mode (`--min-np`/discovery)."""
     return distributed.launched() and os.environ.get("HOROVOD_ELASTIC") == "1"
-
-
-def _state_variables(model):
-    """Every variable a worker must agree on: model (boost state included), then optimizer; no duplicates."""
-    from keras_boost.core.state import training_variables
-
-    return training_variables(model)
 
 
 def _build_for_sync(model):
@@ -194,7 +188,7 @@ class _BoostModelStateMixin:
         _build_for_sync(model)
         _check_adasum(_adasum(model))
         self.model = model
-        self.variables = _state_variables(model)
+        self.variables = training_variables(model)  # model, boost state, optimizer
         self.resets = 0
         self._save_variables()
         super().__init__(bcast_object=_broadcast_object, get_rank=distributed.rank, **attributes)

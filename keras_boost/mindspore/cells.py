@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras_boost import distributed
 from keras_boost.core.state import BoostState, training_variables
 from keras_boost.stages.loss_scale import as_loss_scale
-from keras_boost.step.loop import BoostStep, run_if
+from keras_boost.step.loop import BoostStep
 
 
 class BoostTrainOneStep(BoostStep):
@@ -154,16 +154,7 @@ class BoostTrainOneStep(BoostStep):
         """
         self._require_built()
         grads, indices = self._full_gradients(grads)
-        windowing = self._with("window")
-        window = windowing[0].window(grads, indices) if windowing else None
-        if window is None:
-            self._update(grads, indices)
-        else:
-            def update_from_window():
-                self._update(window.grads(), indices)
-                window.close()
-
-            run_if(window.boundary, update_from_window)
+        self._window_then_update(grads, indices)
         return loss
 
     def adasum_process(self, loss, grads):

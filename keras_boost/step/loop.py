@@ -215,17 +215,22 @@ class BoostStep:
         indices = [i for _, i in connected]
         for stage in self._with("local_gradients"):
             grads = stage.local_gradients(grads, indices)
+        self._window_then_update(grads, indices)
+        return loss, y_pred
+
+    def _window_then_update(self, grads, indices):
+        """Adds to the window of a `window` stage and updates at its boundary; without one, updates now."""
         windowing = self._with("window")
         window = windowing[0].window(grads, indices) if windowing else None
         if window is None:
             self._update(grads, indices)
-        else:
-            def update_from_window():
-                self._update(window.grads(), indices)
-                window.close()
+            return
 
-            run_if(window.boundary, update_from_window)
-        return loss, y_pred
+        def update_from_window():
+            self._update(window.grads(), indices)
+            window.close()
+
+        run_if(window.boundary, update_from_window)
 
     def _loss_fn_loss(self, y, y_pred, sample_weight):
         if sample_weight is None:
