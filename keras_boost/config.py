@@ -12,7 +12,8 @@ Levels:
 Configuration (a dict, or the path of a JSON file), with MindSpore's sections and keys:
 
     {"boost": {"mode": "auto" | "manual" | "enable_all" | "disable_all",
-               "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool},
+               "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool,
+               "measure": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
      "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
@@ -27,6 +28,13 @@ The freezing defaults differ from MindSpore's, chosen from measurements
 `param_groups` 4; MindSpore: the interval strategy over 10 groups). `MINDSPORE_DEFAULTS`
 is MindSpore's values of the `less_bn` and `grad_freeze` sections, to pass as (or merge
 into) the configuration: `AutoBoost("O1", MINDSPORE_DEFAULTS)` is MindSpore's O1 exactly.
+
+Self-measurement (keras_boost's, not MindSpore's; `"boost": {"measure": True}` by default): the
+level's gradient freezing and gradient centralization time themselves during the first
+steps of `fit` and are switched off, with one printed line giving the numbers, where they
+do not pay on this model and launch (`keras_boost.step.tuning`). A feature whose section
+the configuration gives (`"grad_freeze": {...}`, `"less_bn": {...}`) keeps what it says, so
+`MINDSPORE_DEFAULTS` is MindSpore's fixed O1; `"measure": False` fixes every feature.
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -121,6 +129,8 @@ class BoostConfig:
             opposed to by the level or mode; an explicit AdaSum whose `device_number`
             does not fit the launch is an error, a level's one is turned off with a warning.
         params: every section with its defaults filled in.
+        measure: whether the level's freezing and centralization measure themselves in
+            `fit` (see `measured`).
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
     checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
@@ -134,8 +144,9 @@ class BoostConfig:
         config = read_config(boost_config)
         _check_keys("<top level>", config, SECTIONS)
         boost = config.get("boost", {})
-        _check_keys("boost", boost, ("mode", *FEATURES, *UNSUPPORTED_FEATURES))
+        _check_keys("boost", boost, ("mode", "measure", *FEATURES, *UNSUPPORTED_FEATURES))
         self.mode = boost.get("mode", "auto")
+        self.measure = _check_bool("boost_config['boost']['measure']", boost.get("measure", True))
         if self.mode not in MODES:
             raise ValueError(f"The boost mode must be in {list(MODES)}, but got {self.mode!r}")
         self.features = self._features(boost)
@@ -150,7 +161,8 @@ class BoostConfig:
         self.boost_config = config
 
     def _features(self, boost):
-        switches = {k: _check_bool(f"boost_config['boost'][{k!r}]", v) for k, v in boost.items() if k != "mode"}
+        switches = {k: _check_bool(f"boost_config['boost'][{k!r}]", v) for k, v in boost.items()
+                    if k not in ("mode", "measure")}
         enabled_unsupported = [k for k in UNSUPPORTED_FEATURES if switches.get(k)]
         if enabled_unsupported:
             raise ValueError(f"{enabled_unsupported} are MindSpore features that keras_boost does not provide; "
@@ -176,6 +188,16 @@ class BoostConfig:
 
     def enabled(self, feature):
         return self.features[feature]
+
+    def measured(self, feature):
+        """Whether `feature` is on by the level (or mode) and free to be switched off by self-measurement.
+
+        Not when `"measure"` is False, when the feature was switched on by name (manual
+        mode), or when the configuration gives the feature's section (its values are then
+        the user's choice, as `MINDSPORE_DEFAULTS` gives MindSpore's).
+        """
+        return (self.measure and self.features[feature] and feature not in self.explicit
+                and feature not in self.boost_config)
 
     def get_config(self):
         return {"level": self.level, "boost_config": copy.deepcopy(self.boost_config)}

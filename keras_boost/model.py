@@ -93,6 +93,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         _keras_compat.track_for_checkpoint(self, self.boost_state, "boost_state")
         self.boost_step = None
         self.auto_boost = auto_boost
+        object.__setattr__(self, "self_measurement", None)
 
     # --------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
@@ -107,15 +108,21 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         for option in registry.options():  # options of stages registered by users
             if option in kwargs:
                 given[option] = kwargs.pop(option)
+        from_level = set()
         if self.auto_boost is not None:  # the level's stages, unless given explicitly
             covered = getattr(optimizer, "boost_option", None)  # e.g. a GC optimizer (OptimizerProcess)
             for name, value in registry.level_options(self.auto_boost).items():
-                if name != covered:
-                    given[name] = value if given.get(name) is None else given[name]
+                if name != covered and given.get(name) is None:
+                    given[name] = value
+                    from_level.add(name)
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
         self.boost_step = BoostStep(self, self.optimizer, sens=sens, stages=stages, **given)
+        object.__setattr__(self, "self_measurement", None)  # decisions of step/tuning.py, untracked
+        for stage in self.boost_step.stages:  # the level's stages that fit may switch off (step/tuning.py)
+            if stage.measurable and stage.option in from_level and self.auto_boost.measured(stage.level_section):
+                stage.add_switch()
         if self.built:
             self.boost_step.build(self.boost_state)
 
@@ -194,6 +201,9 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         callbacks = list(callbacks or [])
         if self.boost_step is not None and self.boost_step.nan_guard:
             callbacks.insert(0, NonFiniteGuard())
+        measurement = self._self_measurement()
+        if measurement is not None:
+            callbacks.insert(0, measurement)
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
@@ -220,6 +230,30 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             finally:
                 guard.stop()
         return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+
+    def _self_measurement(self):
+        """The callback that times the level's measured stages in this fit, or None (`step/tuning.py`)."""
+        from keras_boost.step.tuning import SelfMeasurement
+
+        step = self.boost_step
+        if step is None or self.self_measurement is not None:
+            return None  # nothing compiled, or measured by an earlier fit: the decision stands
+        ongoing = self.__dict__.get("_measuring")
+        if ongoing is not None and ongoing.stages[0] in step.stages:
+            return ongoing  # an earlier fit ended before it could decide: the timing goes on
+        stages = [s for s in step.stages if s.switch is not None and s.is_on()]
+        if not stages:
+            return None
+        if self.steps_per_execution > 1 or type(self).train_step is not BoostModel.train_step:
+            why = (f"steps_per_execution={self.steps_per_execution} runs several steps per call"
+                   if self.steps_per_execution > 1 else "the model overrides train_step")
+            if distributed.rank() == 0:
+                print(f"keras_boost: {self.auto_boost.level}'s {', '.join(s.option for s in stages)} stay on "
+                      f"unmeasured: {why}", flush=True)
+            object.__setattr__(self, "self_measurement", [])
+            return None
+        object.__setattr__(self, "_measuring", SelfMeasurement(stages))
+        return self._measuring
 
     def evaluate(self, *args, verbose="auto", callbacks=None, **kwargs):
         from keras_boost.distributed import dropin

@@ -24,6 +24,7 @@ Configurations (`--configs`):
     keras        plain keras.Model (the reference without keras_boost)
     O0, O1, O2   BoostModel(boost_level=...) with the level's defaults (keras_boost's)
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
+    O1-fixed     O1 without self-measurement (every stage of the level stays on)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     O1-nogc      O1-mindspore without gradient centralization
     O1-cont      no GC, the continuous freeze strategy over 10 groups
@@ -48,7 +49,9 @@ import time
 from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
 from keras_boost.config import MINDSPORE_DEFAULTS
 
-FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0")
+FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo")
+# keras.applications at 32x32x3; keras-io's mnist_convnet and keras_boost's demo network at 28x28x1
+INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1)}
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
 # MindSpore's values where keras_boost's defaults differ, named so that these configurations
 # mean what docs/benchmarks.md says whatever keras_boost's defaults are.
@@ -60,6 +63,7 @@ CONFIGS = {
     "O1": ("O1", None),
     "O2": ("O2", None),
     "O1-mindspore": ("O1", MINDSPORE_DEFAULTS),
+    "O1-fixed": ("O1", {"boost": {"measure": False}}),
     "O0-noguard": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
@@ -71,9 +75,25 @@ CONFIGS = {
 }
 
 
-def application(family, input_shape=(32, 32, 3), classes=10):
+def application(family, input_shape=None, classes=10):
     import keras
 
+    input_shape = input_shape or INPUT_SHAPES.get(family, (32, 32, 3))
+    if family == "mnist_convnet":  # keras-io's examples/vision/mnist_convnet.py, as written there
+        return keras.Sequential([
+            keras.Input(shape=input_shape),
+            keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+            keras.layers.MaxPooling2D(pool_size=(2, 2)),
+            keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+            keras.layers.MaxPooling2D(pool_size=(2, 2)),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(classes, activation="softmax"),
+        ])
+    if family == "demo":
+        from keras_boost.app.demo_net import demo_resnet
+
+        return demo_resnet(input_shape=input_shape, classes=classes, model_class=keras.Model)
     constructors = {
         "resnet50": keras.applications.ResNet50,
         "mobilenetv2": keras.applications.MobileNetV2,
@@ -152,9 +172,12 @@ def worker(args):
     import keras
     import numpy as np
 
+    from keras_boost import distributed
+
     model = build(args.model, args.worker)
-    rng = np.random.default_rng(0)
-    x = rng.random((args.steps * args.batch_size, 32, 32, 3), dtype=np.float32)
+    rng = np.random.default_rng(distributed.rank())
+    shape = INPUT_SHAPES.get(args.model, (32, 32, 3))
+    x = rng.random((args.steps * args.batch_size, *shape), dtype=np.float32)
     y = rng.integers(0, 10, len(x))
 
     class Times(keras.callbacks.Callback):
@@ -184,7 +207,10 @@ def worker(args):
     times = Times()
     start = time.perf_counter()
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[times])
-    print("RESULT " + json.dumps({"epochs": times.epochs, "steps": times.steps, "cpu_steps": times.cpu_steps,
+    if distributed.rank() != 0:
+        return
+    print("RESULT " + json.dumps({"self_measurement": getattr(model, "self_measurement", None),
+                                  "epochs": times.epochs, "steps": times.steps, "cpu_steps": times.cpu_steps,
                                   "first_step": times.first_step,
                                   "fit": time.perf_counter() - start}), flush=True)
 
@@ -202,20 +228,28 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    parser.add_argument("--np", type=int, default=1,
+                        help="workers per configuration (horovodrun --gloo on this machine); keras needs 1")
     parser.add_argument("--raw", default=None, help="append every run's step and epoch times to this JSON-lines file")
     parser.add_argument("--worker", type=config_name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.np > 1 and "keras" in args.configs:
+        parser.error("--np > 1: a plain keras.Model does not average gradients across workers; compare with O0")
     results = {config: {key: [] for key in ("step", "cpu_step", "epoch", "first_step", "first_epoch", "fit")}
                for config in args.configs}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     for round_index in range(args.rounds):
         for config in args.configs:
-            command = [sys.executable, __file__, "--worker", config, "--model", args.model,
+            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--model", args.model,
                        "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+            if args.np > 1:
+                horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+                command = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", *command]
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
-            line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+            # under horovodrun, rank 0's lines start with "[0]<stdout>:"
+            line = next((l[l.index("RESULT "):] for l in done.stdout.splitlines() if "RESULT " in l), None)
             if done.returncode != 0 or line is None:
                 sys.exit(f"{config} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
             result = json.loads(line[len("RESULT "):])
@@ -228,9 +262,10 @@ def main():
             results[config]["first_step"].append(result["first_step"])
             results[config]["first_epoch"].append(result["epochs"][0])
             results[config]["fit"].append(result["fit"])
+            decided = [(option, "on" if kept else "off") for option, kept, _ in result["self_measurement"] or ()]
             print(f"round {round_index + 1} {config}: step {1000 * results[config]['step'][-1]:.0f} ms, "
-                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s",
-                  flush=True)
+                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s"
+                  + (f", self-measurement {decided}" if decided else ""), flush=True)
     print_table(args, results)
 
 
@@ -240,7 +275,8 @@ def print_table(args, results):
     median = {config: {key: statistics.median(v) for key, v in values.items()} for config, values in results.items()}
     ref = median[reference]
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TensorFlow's default")
-    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
+    workers = f"{args.np} workers (horovodrun --gloo) per configuration" if args.np > 1 else "one process"
+    print(f"\n{args.model}, {workers}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
           f"{args.rounds} rounds (one process each, taking turns), TF_ENABLE_ONEDNN_OPTS={onednn}; "
           f"ratios against {reference}")
     print(f"| configuration | step after the first epoch (mean; median, range over rounds) | speed vs {reference} | "

@@ -195,6 +195,7 @@ SHARED = {
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
         ("accumulation_equivalence", "accumulation_equivalence", []),
         ("freeze_training", "freeze_training", []),
+        ("self_measurement", "self_measurement", []),
         ("dropin_custom_step", "dropin", ["custom_step"]),
         ("dropin_jit", "dropin", ["jit"]),
         ("resume", "resume", ["{tmp}"]),

@@ -82,12 +82,21 @@ class Stage:
             optimizer's `apply_update` are such defaults.
         step_attribute: the name under which the step gives this stage (`step.loss_scale`,
             `step.freeze`, ...; None when the stage is off), or None for no such name.
+        measurable: whether a boost level's instance of this stage can measure what it
+            saves or costs in `fit` and be switched off between steps, without retracing
+            (`keras_boost.step.tuning`): it then overrides `measure` and reads `active()`
+            in its hooks.
+        level_section: the boost configuration's feature (and section) that switches a
+            level's instance on (`config.BoostConfig.measured` says whether it is measured).
     """
 
     option = None
     needs_finite = False
     default_for = None
     step_attribute = None
+    measurable = False
+    level_section = None
+    switch = None  # a boolean tf.Variable once `add_switch` made one: the stage acts while it is True
 
     def build(self, context):
         """Creates the stage's state from `context` (eager, once)."""
@@ -186,6 +195,42 @@ class Stage:
         the level leaves the feature off, so that bad values fail when the model is made.
         """
         return None
+
+    # ----------------------------------------------------- self-measurement
+    def add_switch(self):
+        """Gives the stage a switch (a boolean variable, True) that its compiled hooks read."""
+        if self.switch is None:
+            with tf.init_scope():
+                self.switch = tf.Variable(True, trainable=False, name=f"{self.option}_on")
+
+    def active(self):
+        """Whether the stage acts: the switch's value (a tensor) inside a step; True without a switch."""
+        return tf.constant(True) if self.switch is None else self.switch.value()
+
+    def is_on(self):
+        """The same, read from Python between steps."""
+        return self.switch is None or bool(self.switch.numpy())
+
+    def switch_off(self):
+        self.add_switch()
+        self.switch.assign(False)
+
+    def measure_alone(self):
+        """{name: seconds}: what the stage costs timed on its own, out of the step (default: nothing).
+
+        Called once per worker between steps; the workers' numbers are averaged before `verdict`.
+        """
+        return {}
+
+    def verdict(self, times, alone):
+        """Whether this stage pays on this model and launch, from numbers every worker shares.
+
+        `times`: {branch: median seconds of one step of that branch}, branch 0 being the
+        full step; `alone`: this stage's `measure_alone`, averaged over the workers. Returns
+        `(pays, numbers)`: whether to keep the stage, and a short text of the numbers behind
+        the verdict, for the line `fit` prints.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not measure itself")
 
     def overrides(self, hook):
         return getattr(type(self), hook) is not getattr(Stage, hook)

@@ -50,6 +50,11 @@ class GradientCentralization(Stage):
 
     option = "gradient_centralization"
     step_attribute = "centralization"
+    measurable = True
+    level_section = "less_bn"  # a level's GC is LessBN's gc_flag
+    # A boost level's GC (LessBN's companion for accuracy, not for speed) is kept while it
+    # costs at most this share of a full step (`verdict`); an explicit one always stays.
+    max_step_share = 0.05
 
     def __init__(self, variables=_MODEL_DEFAULT, min_channels_multiple=16):
         if variables not in (_MODEL_DEFAULT, _EVERY_KERNEL) and (not isinstance(variables, (list, tuple)) or not (
@@ -114,7 +119,36 @@ class GradientCentralization(Stage):
         self._resolve_at_build = False
 
     def transform(self, grads, variables):
-        return self.apply(grads, variables)
+        if self.switch is None:
+            return self.apply(grads, variables)
+        return tf.cond(self.active(), lambda: self.apply(grads, variables), lambda: list(grads))
+
+    def measure_alone(self, repeats=5):
+        """{"centralize": seconds}: one pass over the selected kernels' shapes, timed out of the step.
+
+        The kernels themselves stand in for their gradients (same shapes and dtypes); the
+        median of `repeats` runs after one that compiles.
+        """
+        import time
+
+        selected = [v for v in self.variables if self.applies_to(v)]
+        if not selected:
+            return {"centralize": 0.0}
+        run = tf.function(lambda: [centralize(v.value) for v in selected], autograph=False)
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = run()
+            _ = [o.numpy().flat[0] for o in outputs[:1]]
+            times.append(time.perf_counter() - start)
+        return {"centralize": sorted(times)[len(times) // 2]}
+
+    def verdict(self, times, alone):
+        share = alone["centralize"] / times[0]
+        pays = share <= self.max_step_share
+        return pays, (f"centralizing costs {1000 * alone['centralize']:.1f} ms of a {1000 * times[0]:.1f} ms step "
+                      f"({100 * share:.1f}%; kept up to {100 * self.max_step_share:.0f}%)")
 
     def get_config(self):
         return {"variables": [v.path for v in self.variables], "min_channels_multiple": self.min_channels_multiple}

@@ -1,5 +1,6 @@
 """Gradient freezing, the stage of the boost step: which group trains, and where the sequence stands."""
 
+import numpy as np
 import tensorflow as tf
 
 from keras_boost.core.contract import Stage
@@ -18,6 +19,11 @@ class FreezeStage(Stage):
 
     option = "gradient_freeze"
     step_attribute = "freeze"
+    measurable = True
+    level_section = "grad_freeze"
+    # A boost level's freezing is kept when the schedule's mean step is at least this much
+    # shorter than the full step (`verdict`); an explicit one always stays.
+    min_saving = 0.02
 
     def __init__(self, source):
         if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
@@ -85,6 +91,8 @@ class FreezeStage(Stage):
     def upcoming_branch(self):
         """(group, updates): the group of the next update and how many updates in a row train it."""
         schedule, period = self.plan.schedule, self.plan.period
+        if not self.is_on():  # switched off by self-measurement: the full step, always
+            return 0, period
         position = int(self.position.numpy()) % period
         group = int(schedule[position])
         updates = 1
@@ -94,20 +102,42 @@ class FreezeStage(Stage):
 
     def enter_branch(self, branch):
         """Inside the compiled step of group `branch`: checks the sequence agrees, records the group."""
-        expected = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        expected = self._scheduled()
         check = tf.debugging.assert_equal(
             expected, tf.constant(branch, tf.int32),
             message=f"the compiled step of freeze group {branch} ran where the freeze sequence names another group")
         with tf.control_dependencies([check] if check is not None else []):
             self.last_group.assign(tf.constant(branch, tf.int32))
 
-    def current_group(self):
+    def _scheduled(self):
         group = tf.gather(tf.constant(self.plan.schedule, tf.int32), self.position.value)
+        return group if self.switch is None else tf.where(self.active(), group, 0)
+
+    def current_group(self):
+        group = self._scheduled()
         self.last_group.assign(group)
         return group
 
     def advance(self):
-        self.position.assign((self.position.value + 1) % self.plan.period)
+        following = (self.position.value + 1) % self.plan.period
+        if self.switch is not None:  # switched off, the sequence stands still where it was
+            following = tf.where(self.active(), following, self.position.value)
+        self.position.assign(following)
+
+    def shares(self):
+        """{group: share of the steps that train it} over one period of the sequence."""
+        groups, counts = np.unique(np.asarray(self.plan.schedule), return_counts=True)
+        return {int(g): float(c) / len(self.plan.schedule) for g, c in zip(groups, counts)}
+
+    def verdict(self, times, alone):
+        shares = self.shares()
+        mean = sum(share * times[group] for group, share in shares.items())
+        saving = 1.0 - mean / times[0]
+        groups = ", ".join(f"{g}: {1000 * times[g]:.1f} ms" for g in sorted(shares) if g)
+        return saving >= self.min_saving, (
+            f"the freeze schedule's mean step takes {1000 * mean:.1f} ms against the full step's "
+            f"{1000 * times[0]:.1f} ms ({100 * saving:+.1f}% saved; kept from {100 * self.min_saving:.0f}%; "
+            f"groups {groups})")
 
     def logs(self):
         return {"freeze_group": self.last_group.value}

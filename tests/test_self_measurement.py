@@ -1,0 +1,174 @@
+"""Self-measurement: a boost level's freezing and centralization time themselves in fit and switch off.
+
+The verdicts depend on timing, so the tests that run fit force them with the stages'
+thresholds (`min_saving`, `max_step_share`) and check what the switch does: the stage stops
+acting from the next step on, nothing is retraced, and every worker decides the same.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_boost import BoostModel, GradientCentralization, GradientFreeze
+from keras_boost.config import MINDSPORE_DEFAULTS, BoostConfig
+from keras_boost.stages.centralization import centralize
+from tests.launch import shared
+
+STEPS = 12  # per epoch; O1's default schedule (period 9: six full steps, groups 1, 2, 3) decides at step 33
+
+
+def small_bn_model(config=None, level="O1", seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((12, 12, 1))
+    h = inputs
+    for filters in (8, 16, 16):
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.ReLU()(h)
+    outputs = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
+    return BoostModel(inputs, outputs, boost_level=level, boost_config=config)
+
+
+def data(steps=STEPS, batch=16):
+    rng = np.random.default_rng(0)
+    return rng.random((steps * batch, 12, 12, 1), dtype=np.float32), rng.integers(0, 4, steps * batch)
+
+
+def compiled(model, **options):
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **options)
+    return model
+
+
+class Groups(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.groups = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.groups.append(int(logs["freeze_group"]))
+
+
+# ------------------------------------------------------------------ which features are measured
+def test_the_level_measures_the_features_it_switched_on():
+    o1 = BoostConfig("O1")
+    assert o1.measured("grad_freeze") and o1.measured("less_bn")
+    assert not o1.measured("adasum")  # off at O1
+    assert not BoostConfig("O0").measured("grad_freeze")
+
+
+@pytest.mark.parametrize("config, fixed", [
+    (MINDSPORE_DEFAULTS, {"grad_freeze", "less_bn"}),  # MindSpore's fixed O1
+    ({"grad_freeze": {"total_steps": 100}}, {"grad_freeze"}),  # a section given: the user's values
+    ({"less_bn": {"gc_flag": True}}, {"less_bn"}),
+    ({"boost": {"measure": False}}, {"grad_freeze", "less_bn"}),
+    ({"boost": {"mode": "manual", "grad_freeze": True}}, {"grad_freeze"}),  # switched on by name
+])
+def test_a_feature_the_user_configured_stays_fixed(config, fixed):
+    o1 = BoostConfig("O1", config)
+    assert {f for f in ("grad_freeze", "less_bn") if not o1.measured(f)} == fixed
+
+
+def test_measure_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"boost_config\['boost'\]\['measure'\].*'yes'"):
+        BoostConfig("O1", {"boost": {"measure": "yes"}})
+
+
+def test_compile_gives_switches_to_the_measured_level_stages_only():
+    model = compiled(small_bn_model())
+    step = model.boost_step
+    assert step.freeze.switch is not None and step.centralization.switch is not None
+    fixed = compiled(small_bn_model(MINDSPORE_DEFAULTS))
+    assert fixed.boost_step.freeze.switch is None and fixed.boost_step.centralization.switch is None
+    # explicit compile options are the user's, on any level
+    explicit = compiled(small_bn_model(), gradient_freeze=GradientFreeze(param_groups=3),
+                        gradient_centralization=True)
+    assert explicit.boost_step.freeze.switch is None and explicit.boost_step.centralization.switch is None
+
+
+# ---------------------------------------------------------------- the switch, inside a compiled step
+def test_switched_off_centralization_passes_gradients_through_without_a_retrace():
+    kernel = keras.Variable(np.ones((3, 3, 16, 8), np.float32))
+    stage = GradientCentralization([kernel])
+    stage.add_switch()
+    grad = tf.random.stateless_normal((3, 3, 16, 8), seed=(1, 2))
+    transform = tf.function(lambda g: stage.transform([g], [kernel])[0])
+    np.testing.assert_allclose(transform(grad), centralize(grad), rtol=0, atol=1e-6)  # same ops, reassociated
+    stage.switch_off()
+    np.testing.assert_array_equal(transform(grad), grad)
+    assert transform.experimental_get_tracing_count() == 1
+
+
+def test_switched_off_freezing_trains_the_full_step_and_holds_its_position():
+    model = compiled(small_bn_model())
+    model.boost_step.freeze.min_saving = 2.0  # no schedule saves 200%
+    model.boost_step.centralization.max_step_share = 10.0  # keep GC
+    groups = Groups()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[groups])
+    decisions = {option: kept for option, kept, _ in model.self_measurement}
+    assert decisions == {"gradient_freeze": False, "gradient_centralization": True}
+    schedule = model.boost_step.freeze.plan.schedule
+    # the sequence ran as scheduled up to the decision (step 33, the sixth timed step of group 1), then
+    # only full steps, with the sequence standing where it was
+    assert groups.groups[:34] == [int(g) for g in schedule[:34]]
+    assert groups.groups[34:] == [0] * 14
+    assert int(model.boost_step.freeze.position.numpy()) == 34
+    # every group's function was traced once: switching off retraced nothing
+    assert set(model.train_function.tracing_counts().values()) == {1}
+    assert all(np.isfinite(np.array(w)).all() for w in model.trainable_weights)
+
+
+def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
+    model = compiled(small_bn_model())
+    model.boost_step.freeze.min_saving = -10.0  # any schedule pays
+    model.boost_step.centralization.max_step_share = -1.0  # any cost is too much
+    groups = Groups()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[groups])
+    out = capsys.readouterr().out
+    assert "O1's gradient_freeze stays on in one process: the freeze schedule's mean step takes" in out
+    assert "O1's gradient_centralization switched off in one process: centralizing costs" in out
+    schedule = model.boost_step.freeze.plan.schedule
+    assert groups.groups == [int(g) for g in schedule[:48]]  # freezing went on as scheduled
+    assert not model.boost_step.centralization.is_on()
+    # a second fit keeps the decision: no more timing, no more lines
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "keras_boost:" not in capsys.readouterr().out
+
+
+def test_too_short_a_fit_says_so_once_and_the_next_fit_goes_on_timing(capsys):
+    model = compiled(small_bn_model())
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "stay on: this fit ran too few steps to time them" in capsys.readouterr().out
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""
+    assert model.self_measurement is None and model._measuring.times  # still timing
+    model.boost_step.freeze.min_saving = 2.0
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert [kept for option, kept, _ in model.self_measurement if option == "gradient_freeze"] == [False]
+
+
+def test_steps_per_execution_leaves_the_stages_on_with_a_line(capsys):
+    model = compiled(small_bn_model(), steps_per_execution=4)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "stay on unmeasured: steps_per_execution=4" in capsys.readouterr().out
+    assert model.boost_step.freeze.is_on() and model.boost_step.centralization.is_on()
+
+
+def test_two_workers_switch_off_together():
+    found = shared("gloo", "self_measurement")
+    first, second = found[0], found[1]
+    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False],
+                                                        ["gradient_centralization", False]]
+    assert first["decided_at"] == second["decided_at"] == 33
+    assert first["groups"] == second["groups"] and set(first["groups"][34:]) == {0}
+    assert first["position"] == second["position"] == 34
+    # the functions that run the steps, group 0's included after the switch, were traced once each
+    # (group 0's one-step function is traced twice on 2 workers with or without the switch)
+    steps = [t for t in first["tracing"] if t.startswith("steps")]
+    assert first["tracing"] == second["tracing"] and len(steps) == 4 and all(t.endswith(":1") for t in steps)
+    assert first["digest"] == second["digest"] and first["finite"]  # bit-identical weights
