@@ -262,10 +262,11 @@ def main():
             results[config]["first_step"].append(result["first_step"])
             results[config]["first_epoch"].append(result["epochs"][0])
             results[config]["fit"].append(result["fit"])
-            decided = [(option, "on" if kept else "off") for option, kept, _ in result["self_measurement"] or ()]
             print(f"round {round_index + 1} {config}: step {1000 * results[config]['step'][-1]:.0f} ms, "
-                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s"
-                  + (f", self-measurement {decided}" if decided else ""), flush=True)
+                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s",
+                  flush=True)
+            for option, kept, numbers in result["self_measurement"] or ():
+                print(f"    self-measurement: {option} {'stays on' if kept else 'switched off'}: {numbers}", flush=True)
     print_table(args, results)
 
 

@@ -18,13 +18,15 @@ from tests.launch import shared
 STEPS = 12  # per epoch; O1's default schedule (period 9: six full steps, groups 1, 2, 3) decides at step 33
 
 
-def small_bn_model(config=None, level="O1", seed=0):
+def small_bn_model(config=None, level="O1", seed=0, batchnorm=True):
+    """Three conv blocks; with BatchNorm, LessBN removes one of the three."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((12, 12, 1))
     h = inputs
     for filters in (8, 16, 16):
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
-        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=not batchnorm)(h)
+        if batchnorm:
+            h = keras.layers.BatchNormalization()(h)
         h = keras.layers.ReLU()(h)
     outputs = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
     return BoostModel(inputs, outputs, boost_level=level, boost_config=config)
@@ -121,7 +123,7 @@ def test_switched_off_freezing_trains_the_full_step_and_holds_its_position():
 
 
 def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
-    model = compiled(small_bn_model())
+    model = compiled(small_bn_model(batchnorm=False))  # LessBN removes nothing: GC is judged by its cost
     model.boost_step.freeze.min_saving = -10.0  # any schedule pays
     model.boost_step.centralization.max_step_share = -1.0  # any cost is too much
     groups = Groups()
@@ -130,12 +132,24 @@ def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
     out = capsys.readouterr().out
     assert "O1's gradient_freeze stays on in one process: the freeze schedule's mean step takes" in out
     assert "O1's gradient_centralization switched off in one process: centralizing costs" in out
+    assert "LessBN removed no BatchNormalization here" in out
     schedule = model.boost_step.freeze.plan.schedule
     assert groups.groups == [int(g) for g in schedule[:48]]  # freezing went on as scheduled
     assert not model.boost_step.centralization.is_on()
     # a second fit keeps the decision: no more timing, no more lines
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert "keras_boost:" not in capsys.readouterr().out
+
+
+def test_centralization_stays_on_for_accuracy_where_less_bn_removed_batchnorms(capsys):
+    model = compiled(small_bn_model())
+    assert model.less_bn_report.num_removed == 1
+    model.boost_step.centralization.max_step_share = -1.0  # any cost would be too much
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0)
+    assert ("gradient_centralization", True) in [(o, kept) for o, kept, _ in model.self_measurement]
+    assert "kept for accuracy, since LessBN removed 1 BatchNormalization layers" in capsys.readouterr().out
+    assert model.boost_step.centralization.is_on()
 
 
 def test_too_short_a_fit_says_so_once_and_the_next_fit_goes_on_timing(capsys):
