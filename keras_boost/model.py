@@ -244,9 +244,16 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         stages = [s for s in step.stages if s.switch is not None and s.is_on()]
         if not stages:
             return None
-        if self.steps_per_execution > 1 or type(self).train_step is not BoostModel.train_step:
-            why = (f"steps_per_execution={self.steps_per_execution} runs several steps per call"
-                   if self.steps_per_execution > 1 else "the model overrides train_step")
+        from keras_boost.distributed.elastic import elastic_launch
+
+        why = None
+        if self.steps_per_execution > 1:
+            why = f"steps_per_execution={self.steps_per_execution} runs several steps per call"
+        elif type(self).train_step is not BoostModel.train_step:
+            why = "the model overrides train_step"
+        elif elastic_launch():  # a worker that joins later would not share the timing, nor the decision
+            why = "elastic training: workers that join later must run the same step"
+        if why is not None:
             if distributed.rank() == 0:
                 print(f"keras_boost: {self.auto_boost.level}'s {', '.join(s.option for s in stages)} stay on "
                       f"unmeasured: {why}", flush=True)
@@ -297,7 +304,8 @@ def _rewritten_graph(auto_boost, args, kwargs):
     kwargs = dict(kwargs)
     inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
     outputs = kwargs.pop("outputs") if "outputs" in kwargs else args[1]
-    rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"])
+    rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
+                       fn_needs_removal=auto_boost.measured("less_bn"))
     return (rewritten.inputs, rewritten.outputs, *args[2:]), kwargs, rewritten.less_bn_report
 
 

@@ -150,7 +150,7 @@ def test_gc_optimizer_round_trips_through_a_keras_file(tmp_path):
 
 
 def test_gc_optimizer_bad_input():
-    with pytest.raises(TypeError, match="inner_optimizer must be a keras.optimizers.Optimizer"):
+    with pytest.raises(TypeError, match="`inner_optimizer` must be a keras.optimizers.Optimizer"):
         keras_boost.optimizers.GradientCentralization("sgd")
     with pytest.raises(ValueError, match="rule must be one of"):
         keras_boost.optimizers.GradientCentralization(keras.optimizers.SGD(), rule="every")

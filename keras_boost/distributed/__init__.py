@@ -230,6 +230,8 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
         _state.comm = comm
         pin_gpu(hvd.local_rank(), hvd.local_size())
     _state.initialized = True
+    if _state.counting:
+        _counter()  # made now, not inside a step's first trace (which would make tf.function trace it again)
 
 
 def gpu_for_worker(local_rank, local_size, gpus, cuda_visible_devices=None):

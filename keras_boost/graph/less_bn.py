@@ -118,7 +118,7 @@ class LessBNReport:
         )
 
 
-def LessBN(model, fn_flag=False):  # noqa: N802 - MindSpore's name
+def LessBN(model, fn_flag=False, fn_needs_removal=False):  # noqa: N802 - MindSpore's name
     """Returns a copy of a functional or Sequential model without redundant BNs.
 
     See the module docstring for the rules. The result carries a `LessBNReport` as
@@ -128,6 +128,11 @@ def LessBN(model, fn_flag=False):  # noqa: N802 - MindSpore's name
         model: a functional or Sequential `keras.Model` (built). It is not modified.
         fn_flag: bool, whether to replace the Dense classifier producing each model
             output by an `FNHead`. Defaults to `False`.
+        fn_needs_removal: bool, keras_boost's: add the FN head only when a BatchNorm is
+            removed (it makes up for the removed normalisation; with none removed the
+            result is the same graph as `model`). Boost levels pass True unless the
+            configuration gives the `less_bn` section. Defaults to `False` (MindSpore's:
+            `fn_flag` alone decides).
 
     Returns:
         A new, uncompiled model sharing no layer with `model`.
@@ -141,22 +146,26 @@ def LessBN(model, fn_flag=False):  # noqa: N802 - MindSpore's name
     """
     if not isinstance(fn_flag, bool):
         raise TypeError(f"`fn_flag` must be a bool (True or False), got {fn_flag!r}.")
+    if not isinstance(fn_needs_removal, bool):
+        raise TypeError(f"`fn_needs_removal` must be a bool (True or False), got {fn_needs_removal!r}.")
     view = _graph_view(model)
     graph = _Graph(view.outputs)
     removed_nodes = _plan_removals(graph)
     removed_layers = _removed_layers(graph, removed_nodes)
-    heads = _head_denses(graph, model.name) if fn_flag else []
+    heads = _head_denses(graph, model.name) if fn_flag and (removed_layers or not fn_needs_removal) else []
     with _variable_scope(model):
         clone = _rebuild(view, removed_layers, heads)
     result = _with_class_of(model, clone)
     result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
     if not removed_layers:
-        warnings.warn(
-            f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; "
-            "the result is a copy of the same graph.",
-            stacklevel=2,
-        )
+        unchanged = ("the result is a copy of the same graph" if not heads else
+                     "the result is a copy of the same graph with an FN head")
+        if fn_flag and fn_needs_removal:
+            unchanged += (", without an FN head, and a boost level leaves its gradient centralization off: both "
+                          "make up for removed BatchNorms")
+        warnings.warn(f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; {unchanged}.",
+                      stacklevel=2)
     return result
 
 

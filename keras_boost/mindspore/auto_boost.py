@@ -120,7 +120,7 @@ class AutoBoost(BoostConfig):
                 warnings.warn(f"fn_flag: {model.name!r} has no Dense layer producing its output, so the FN head is "
                               "skipped; LessBN still applies", UserWarning, stacklevel=3)
                 fn_flag = False
-            model = LessBN(model, fn_flag=fn_flag)
+            model = LessBN(model, fn_flag=fn_flag, fn_needs_removal=self.measured("less_bn"))
         if isinstance(model, BoostModel):
             return model
         report = getattr(model, "less_bn_report", None)

@@ -10,13 +10,14 @@ optimizer silently does nothing.
 
 import keras
 
+from keras_boost.core.adapter import OptimizerAdapter
 from keras_boost.stages.centralization import centralize, centralizes
 
 _RULES = ("all", "mindspore")
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
-class GradientCentralization(keras.optimizers.Optimizer):
+class GradientCentralization(OptimizerAdapter):
     """An optimizer that centralizes the gradients, then lets `inner_optimizer` apply them.
 
     Args:
@@ -46,21 +47,13 @@ class GradientCentralization(keras.optimizers.Optimizer):
     unwraps_into_step = False
 
     def __init__(self, inner_optimizer, rule="all", name=None, variables=None, **kwargs):
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"inner_optimizer must be a keras.optimizers.Optimizer, got {inner_optimizer!r} of "
-                            f"type {type(inner_optimizer).__name__}")
         if rule not in _RULES:
             raise ValueError(f"rule must be one of {list(_RULES)}, got {rule!r}")
-        unknown = {k: v for k, v in kwargs.items() if k != "learning_rate"}
-        if unknown:
-            raise ValueError(f"GradientCentralization takes no optimizer arguments of its own, got "
-                             f"{sorted(unknown)}; set them on the inner optimizer")
         if variables is not None and (not isinstance(variables, (list, tuple)) or not (
                 all(isinstance(v, keras.Variable) for v in variables) or all(isinstance(v, str) for v in variables))):
             raise TypeError(f"variables must be None or a list or tuple of keras.Variable (or of variable paths), "
                             f"got {variables!r} of type {type(variables).__name__}")
-        super().__init__(learning_rate=0.0, name=name)
-        self.inner_optimizer = inner_optimizer
+        super().__init__(inner_optimizer, name=name, **kwargs)
         self.rule = rule
         self.min_channels_multiple = 16 if rule == "mindspore" else 1
         if variables is None:
@@ -83,14 +76,6 @@ class GradientCentralization(keras.optimizers.Optimizer):
             out.append(centralize(g) if g is not None and self.applies_to(v) else g)
         return out
 
-    def build(self, var_list):
-        self.inner_optimizer.build(var_list)
-        super().build(var_list)
-
-    @property
-    def variables(self):
-        return self._variables + self.inner_optimizer.variables
-
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -108,24 +93,6 @@ class GradientCentralization(keras.optimizers.Optimizer):
         new_trainable, new_inner = self.inner_optimizer.stateless_apply(
             optimizer_variables[own:], grads, trainable_variables)
         return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
         config = {"name": self.name, "rule": self.rule,

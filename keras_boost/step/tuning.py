@@ -36,13 +36,13 @@ class SelfMeasurement(keras.callbacks.Callback):
     Args:
         stages: the step's stages to measure (each `measurable`, with a switch).
         full_steps: full steps to time before deciding (default 5).
-        branch_steps: steps of each partial branch to time before deciding (default 2).
+        branch_steps: steps of each partial branch to time before deciding (default 3).
         verbose: print the decision lines on rank 0 (default True).
 
     After the decision, `decisions` is a list of `(stage option, kept, numbers)`.
     """
 
-    def __init__(self, stages, full_steps=5, branch_steps=2, verbose=True):
+    def __init__(self, stages, full_steps=5, branch_steps=3, verbose=True):
         super().__init__()
         self.stages = list(stages)
         self.full_steps = full_steps
@@ -60,12 +60,12 @@ class SelfMeasurement(keras.callbacks.Callback):
 
     def _freeze(self):
         freeze = self.model.boost_step.freeze
-        return freeze if freeze is not None and freeze.is_on() and freeze.plan is not None else None
+        return freeze if freeze is not None and freeze.is_on() else None
 
     def _needed(self):
         """{branch: steps to time}: the full step, and each group the freeze schedule trains."""
         freeze = self._freeze()
-        groups = freeze.shares() if freeze is not None else {0: 1.0}
+        groups = {0, *freeze.shares()} if freeze is not None and freeze.plan is not None else {0}
         return {g: self.full_steps if g == 0 else self.branch_steps for g in groups}
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -76,8 +76,10 @@ class SelfMeasurement(keras.callbacks.Callback):
         if self.decided:
             return
         freeze = self._freeze()
-        self._branch = freeze.upcoming_branch()[0] if freeze is not None else 0
         first_of_epoch, self._first_of_epoch = self._first_of_epoch, False
+        if freeze is not None and freeze.plan is None:
+            return  # the step is built by its first call: the branch of this one is not known yet
+        self._branch = freeze.upcoming_branch()[0] if freeze is not None else 0
         first_of_branch = self._branch not in self._seen
         self._seen.add(self._branch)
         if not (first_of_epoch or first_of_branch):

@@ -1,4 +1,4 @@
-"""O1's self-measurement on 2 workers: the verdicts are forced "off", so both stages switch off mid-fit.
+"""O1's self-measurement on 2 workers: freezing's verdict is forced "off", so it switches off mid-fit.
 
 Each rank times its own steps; the decision is taken on the averaged numbers at the same
 batch on every rank. Reports per rank: the decisions, the freeze group of every step, the
@@ -36,24 +36,21 @@ def run(verdict="off"):
     keras.utils.set_random_seed(rank + 5)  # start apart: the broadcast must align them
     inputs = keras.Input((12, 12, 1))
     h = inputs
-    for filters in (8, 16, 16):  # no BatchNorm: LessBN removes none, so GC is judged by its cost
+    for filters in (8, 16, 16):  # no BatchNorm: LessBN removes none, so the level's GC is off from the start
         h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
     outputs = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
     model = BoostModel(inputs, outputs, boost_level="O1")
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if verdict == "off":
-        model.boost_step.freeze.min_saving = 2.0  # no schedule saves 200%: off
-        model.boost_step.centralization.max_step_share = -1.0  # any cost is too much: off
-    else:
-        model.boost_step.freeze.min_saving = -10.0  # any schedule pays
-        model.boost_step.centralization.max_step_share = 10.0
+    # no schedule saves 200%: off; any schedule saves more than -1000%: on
+    model.boost_step.freeze.min_saving = 2.0 if verdict == "off" else -10.0
     groups = Groups()
     model.fit(xs, ys, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[groups])
     trainable = [np.array(w) for w in model.trainable_weights]
     return dict(decisions=[[option, kept] for option, kept, _ in model.self_measurement],
                 groups=groups.groups, decided_at=groups.decided_at,
                 position=int(model.boost_step.freeze.position.numpy()),
+                centralization_on=model.boost_step.centralization.is_on(),
                 tracing=sorted(f"{k}{g}:{n}" for (k, g), n in model.train_function.tracing_counts().items()),
                 digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
                 finite=bool(all(np.isfinite(w).all() for w in trainable)))

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_boost._validation import check_int, check_steps
 from keras_boost.config import DEFAULTS
+from keras_boost.core.adapter import OptimizerAdapter
 from keras_boost.stages.freeze.groups import FreezePlan, _branch, _check_groups, resolve_paths, split_parameters_groups
 from keras_boost.stages.freeze.sequence import (_check_freeze_p, _check_indices, _check_seed, _check_strategy,
                                                  _strategy_array, generate_freeze_index_sequence, round_robin)
@@ -30,7 +31,7 @@ class _Groups:
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
-class FreezeOpt(keras.optimizers.Optimizer):
+class FreezeOpt(OptimizerAdapter):
     """An optimizer that trains one freeze group per step: MindSpore's `FreezeOpt`.
 
     A Keras optimizer wrapper (like `keras.optimizers.LossScaleOptimizer`): it is accepted
@@ -78,10 +79,6 @@ class FreezeOpt(keras.optimizers.Optimizer):
     unwraps_into_step = True
 
     def __init__(self, opt, train_parameter_groups=None, train_strategy=None, name=None, **kwargs):
-        if not isinstance(opt, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"`opt` must be a keras.optimizers.Optimizer instance, got {type(opt).__name__}."
-            )
         if isinstance(opt, FreezeOpt):
             raise TypeError("`opt` must not be a FreezeOpt itself: pass the optimizer it wraps.")
         if train_strategy is not None and train_parameter_groups is None:
@@ -90,10 +87,6 @@ class FreezeOpt(keras.optimizers.Optimizer):
                 "it indexes."
             )
         paths = kwargs.pop("_group_paths", None)
-        unknown = {k: v for k, v in kwargs.items() if k != "learning_rate"}
-        if unknown:
-            raise ValueError(f"FreezeOpt takes no optimizer arguments of its own, got {sorted(unknown)}; set them "
-                             "on the optimizer it wraps")
         groups = None
         if paths is None and train_parameter_groups is not None:
             groups = _check_groups(train_parameter_groups)
@@ -103,16 +96,11 @@ class FreezeOpt(keras.optimizers.Optimizer):
             if not len(strategy):
                 raise ValueError("`train_strategy` must hold at least one group index, got none.")
             _check_indices(strategy, len(paths if paths is not None else groups), "train_strategy")
-        super().__init__(learning_rate=0.0, name=name or "freeze_opt")
-        self.inner_optimizer = opt
+        super().__init__(opt, name=name or "freeze_opt", argument="opt", **kwargs)
         self._freeze = _Groups(groups, strategy, paths)
         self._selected = None
 
     # ------------------------------------------------------------ attributes
-    @property
-    def optimizer(self):
-        return self.inner_optimizer
-
     @property
     def groups(self):
         return self._freeze.groups
@@ -121,28 +109,11 @@ class FreezeOpt(keras.optimizers.Optimizer):
     def strategy(self):
         return self._freeze.strategy
 
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def variables(self):
-        return self._variables + self.inner_optimizer.variables
-
     # -------------------------------------------------------------- apply
     def build(self, var_list):
         if self._freeze.paths is not None:  # saved groups: indices into the variables it is built on, or paths
             self._freeze.groups = resolve_paths(self._freeze.paths, var_list, "FreezeOpt: the saved groups")
             self._freeze.paths = None
-        self.inner_optimizer.build(var_list)
         super().build(var_list)
         self.position = self.add_variable((), initializer="zeros", dtype="int64", name="freeze_position")
 
@@ -187,12 +158,6 @@ class FreezeOpt(keras.optimizers.Optimizer):
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise RuntimeError("FreezeOpt runs only with the TensorFlow backend's stateful apply (keras_boost supports "
                            "TensorFlow only), not with a stateless (JAX-style) apply")
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------- config
     def get_config(self):
