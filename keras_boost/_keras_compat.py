@@ -217,3 +217,54 @@ def _compute_loss_takes_training(compute_loss):
 
     parameters = inspect.signature(compute_loss).parameters
     return "training" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
+def without_epoch_stalls(arguments):
+    """fit's arguments with in-memory arrays given as Keras' own dataset, minus tf.data's autotuning.
+
+    Keras feeds NumPy arrays through a `tf.data` pipeline (its `ArrayDataAdapter`) and makes a
+    new iterator of it every epoch. With tf.data's autotuning on (its default), destroying the
+    previous epoch's iterator waits for autotuning's thread to stop, 0.5-1.3 s on this machine,
+    on the main thread, at the start of every epoch; under several workers the others wait
+    for it in their first collective (docs/benchmarks.md, "Epoch-start stalls"). The pipeline
+    gathers batches from memory, which autotuning does not speed up. So the arrays go to Keras'
+    fit as the dataset Keras' own adapter makes of them (the same batches, the same shuffling,
+    its number of batches kept), with `autotune.enabled = False`. Anything other than arrays,
+    an explicit `steps_per_epoch`, and a `validation_split` with arrays (split first, as Keras
+    splits) are handled as Keras would; `arguments` is fit's keyword arguments.
+    """
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_data_adapter
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    args = dict(arguments)
+    x = args.get("x")
+    if x is None or args.get("steps_per_epoch") is not None or isinstance(x, (tf.data.Dataset,
+                                                                               keras.utils.PyDataset)):
+        return arguments
+    if not array_data_adapter.can_convert_arrays((x, args.get("y"), args.get("sample_weight"))):
+        return arguments
+    if args.get("validation_split") and args.get("validation_data") is None:
+        (x, args["y"], args["sample_weight"]), args["validation_data"] = train_validation_split(
+            (x, args.get("y"), args.get("sample_weight")), validation_split=args["validation_split"])
+    batch_size = args.get("batch_size") or 32  # Keras' default
+    adapter = get_data_adapter(x, args.get("y"), args.get("sample_weight"), batch_size, None,
+                               args.get("shuffle", True), args.get("class_weight"))
+    if not isinstance(adapter, ArrayDataAdapter):
+        return arguments
+    dataset = adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+    if args.get("validation_data") is not None and args.get("validation_batch_size") is None:
+        args["validation_batch_size"] = batch_size  # Keras' default for validation, kept
+    # the dataset shuffles as the adapter was told; Keras would warn that shuffle does nothing on a dataset
+    args.update(x=without_autotune(dataset), y=None, sample_weight=None, batch_size=None, class_weight=None,
+                validation_split=0.0, shuffle=False)
+    return args
+
+
+def without_autotune(dataset):
+    """`dataset` with tf.data's autotuning off: its iterators are destroyed at once (see `without_epoch_stalls`)."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)

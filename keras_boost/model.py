@@ -207,6 +207,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
+        kwargs, args = _fit_arguments(args, kwargs), ()
         if distributed.size() > 1:
             # One collective before the first one of fit: same configuration everywhere
             # (ValueError otherwise), and the same number of steps per epoch (uneven data).
@@ -216,9 +217,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             callbacks.insert(0, guard)
             guard.start()
             try:
-                kwargs = data_sync.prepare_fit(self, _fit_arguments(args, kwargs))
-                args = ()
-                return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+                kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs))
+                return super().fit(callbacks=callbacks, verbose=verbose, **kwargs)
             except tf.errors.OpError as error:
                 if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
                     raise
@@ -229,7 +229,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                     "stall warning above names the missing ranks and tensors)") from error
             finally:
                 guard.stop()
-        return super().fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+        return super().fit(callbacks=callbacks, verbose=verbose, **_keras_compat.without_epoch_stalls(kwargs))
 
     def _self_measurement(self):
         """The callback that times the level's measured stages in this fit, or None (`step/tuning.py`)."""

@@ -1,7 +1,9 @@
 """Single-process parts of the never-hang machinery (the multi-process runs are in test_never_hang.py)."""
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_boost import BoostModel, distributed
 from keras_boost.distributed import data_sync, watchdog
@@ -79,3 +81,31 @@ def test_fit_arguments_bind_positionals():
         _fit_arguments((1, 2), {"y": 3})
     with pytest.raises(TypeError, match="positionally"):
         _fit_arguments((1, 2, 3, 4, 5), {})
+
+
+# ------------------------------------------------------------- epoch-start stalls (one process too)
+def test_arrays_reach_keras_as_its_own_dataset_without_autotuning():
+    from keras_boost._keras_compat import without_epoch_stalls
+
+    x = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)
+    y = np.arange(50, dtype=np.float32)
+    args = without_epoch_stalls({"x": x, "y": y, "batch_size": 8, "shuffle": False, "validation_split": 0.2})
+    dataset = args["x"]
+    assert isinstance(dataset, tf.data.Dataset) and dataset.options().autotune.enabled is False
+    assert int(dataset.cardinality()) == 5  # 40 training samples in batches of 8: Keras' count, known
+    batches = [(bx.numpy(), by.numpy()) for bx, by in dataset]
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in batches]), x[:40])  # same order, same samples
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), y[:40])
+    # validation_split is Keras' own: the last 20%, validated in batches of the training batch size
+    np.testing.assert_array_equal(args["validation_data"][0], x[40:])
+    assert args["validation_batch_size"] == 8 and args["validation_split"] == 0.0
+    assert args["y"] is None and args["batch_size"] is None and args["shuffle"] is False
+
+
+def test_datasets_and_explicit_steps_are_left_to_keras():
+    from keras_boost._keras_compat import without_epoch_stalls
+
+    dataset = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4))).batch(2)
+    assert without_epoch_stalls({"x": dataset})["x"] is dataset
+    arrays = {"x": np.zeros((4, 2)), "y": np.zeros(4), "steps_per_epoch": 2}
+    assert without_epoch_stalls(arrays) is arrays
