@@ -268,3 +268,10 @@ def without_autotune(dataset):
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)
+
+
+def is_array_adapter(adapter):
+    """Whether Keras chose its in-memory array adapter (NumPy arrays, tensors, DataFrames)."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    return isinstance(adapter, ArrayDataAdapter)

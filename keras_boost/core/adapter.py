@@ -34,8 +34,8 @@ class OptimizerAdapter(keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, name=None, argument="inner_optimizer", **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"`{argument}` must be a keras.optimizers.Optimizer instance, got {inner_optimizer!r} "
-                            f"({type(inner_optimizer).__name__}).")
+            raise TypeError(f"`{argument}` must be a keras.optimizers.Optimizer instance, got "
+                            f"{type(inner_optimizer).__name__}.")
         unknown = sorted(k for k in kwargs if k != "learning_rate")
         if unknown:
             raise ValueError(f"{type(self).__name__} takes no optimizer arguments of its own, got {unknown}; set "

@@ -259,9 +259,7 @@ def prepare_fit(model, arguments):
     """
     if distributed.size() == 1:
         return arguments
-    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
-
-    from keras_boost._keras_compat import get_data_adapter, train_validation_split, without_autotune
+    from keras_boost._keras_compat import get_data_adapter, is_array_adapter, train_validation_split, without_autotune
 
     args = dict(_FIT_DEFAULTS)
     args.update(arguments)
@@ -316,7 +314,7 @@ def prepare_fit(model, arguments):
         adapter = get_data_adapter(args["x"], args["y"], args["sample_weight"], args["batch_size"], None,
                                    args["shuffle"], args["class_weight"])
     dataset = adapter.get_tf_dataset()
-    if isinstance(adapter, ArrayDataAdapter):  # in-memory arrays: no per-epoch stall (_keras_compat)
+    if is_array_adapter(adapter):  # in-memory arrays: no per-epoch stall (_keras_compat.without_epoch_stalls)
         dataset = without_autotune(dataset)
     if args["validation_data"] is not None and args.get("validation_batch_size") is None:
         args["validation_batch_size"] = args["batch_size"]  # Keras' default for validation, kept
