@@ -35,7 +35,11 @@ def _check_seed(seed):
 
 
 def _continuous_sequence(groups, freeze_p, length):
+    # MindSpore's count of full steps, exactly; with freeze_p next to 1 it exceeds any run
+    # (1e16 for p = 1 - 1e-16, which MindSpore would try to allocate): then the first
+    # `length` steps are all full steps, and the pattern stops at 2**20 or `length` of them
     zeros = int(freeze_p * (groups - 1) // (1 - freeze_p) + 0.5)
+    zeros = min(zeros, max(length, 2**20))
     pattern = np.concatenate([np.zeros(zeros, np.int32), np.arange(1, groups, dtype=np.int32)])
     return np.tile(pattern, -(-length // len(pattern)))
 
