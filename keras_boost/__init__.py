@@ -28,15 +28,13 @@ from keras_boost.distributed import callbacks, elastic
 from keras_boost.graph.layers import FNHead
 from keras_boost.graph.less_bn import LessBN
 from keras_boost.model import BoostModel
-from keras_boost.stages.accumulation import GradientAccumulation
-from keras_boost.stages.adasum import AdaSum
 from keras_boost.stages.centralization import GradientCentralization
 from keras_boost.stages.compression import GradientCompression
 from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, generate_freeze_index_sequence,
                                        split_parameters_groups)
 from keras_boost.stages.hierarchical import HierarchicalAllreduce
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
-from keras_boost.mindspore.cells import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+from keras_boost.mindspore.cells import AdaSum, BoostTrainOneStep, BoostTrainOneStepWithLossScale, GradientAccumulation
 from keras_boost.core.state import BoostState
 
 # `keras_boost.callbacks` and `keras_boost.elastic` are public module paths too

@@ -29,7 +29,7 @@ import warnings
 
 from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
-from keras_boost.core.contract import Stage, StepContext
+from keras_boost.core.contract import Stage
 
 logger = logging.getLogger("keras_boost")
 
@@ -48,8 +48,8 @@ class AdaSum(Stage):
             Must divide the number of workers.
         group_number: number of groups; default `size // device_number`. Must equal it
             when given.
-        parameter_tuple: the variables combined by `__call__`; the boost step passes the
-            trained variables itself.
+        parameter_tuple: the variables combined by MindSpore's callable form; the boost
+            step passes the trained variables itself.
         backend: "auto" (native Horovod Adasum where it can run, exact fallback
             elsewhere), "native" or "exact".
         strict: what a `device_number` that does not divide the number of workers does.
@@ -58,9 +58,9 @@ class AdaSum(Stage):
             False (what boost levels use, as MindSpore does): AdaSum is turned off, with
             one warning, and gradients are averaged over every worker.
 
-    Called directly, as MindSpore's cell (`AdaSum(rank, device_number, group_number,
-    parameter_tuple)(delta_weights, parameters, old_parameters)`), it builds itself on the
-    first call from `parameter_tuple` (or `parameters`).
+    MindSpore's callable form (`AdaSum(rank, device_number, group_number,
+    parameter_tuple)(delta_weights, parameters, old_parameters)`) is `keras_boost.AdaSum`
+    (`keras_boost.mindspore.cells`), a thin adapter over this stage.
 
     Example:
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
@@ -189,20 +189,14 @@ class AdaSum(Stage):
         old = [tf.identity(v.value) for v in variables]
         with tf.control_dependencies(old):
             optimizer.apply(grads, variables)
-        self(
-            [o - v.value for o, v in zip(old, variables)],
-            variables,
-            old,
-        )
+        self.combine_into([o - v.value for o, v in zip(old, variables)], variables, old)
 
-    def __call__(self, delta_weights, parameters, old_parameters):
-        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them.
+    def combine_into(self, delta_weights, parameters, old_parameters):
+        """`parameters <- old_parameters - AdaSum(delta_weights)` across the groups; returns them.
 
-        Builds itself on the first call (topology and process sets, as in `build`).
+        The stage's combine, which MindSpore's cell form (`keras_boost.AdaSum(...)(...)`,
+        `keras_boost.mindspore.cells`) calls too. The stage must be built.
         """
-        if not self.built:
-            with tf.init_scope():
-                self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
         if self.groups == 1:
             # One group: the deltas are already identical on every worker (averaged gradients).
             for variable, old, delta in zip(parameters, old_parameters, delta_weights):
