@@ -101,8 +101,8 @@ def test_init_sets_the_variables_before_horovod_starts(clean_env, monkeypatch):
     monkeypatch.setattr(distributed._state, "comm", None)
     monkeypatch.setattr(distributed._state, "horovod_env", None)
     monkeypatch.setattr(distributed._state, "stall_timeout", distributed._state.stall_timeout)
-    monkeypatch.setattr(distributed, "launched", lambda: True)
-    monkeypatch.setattr(distributed, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(distributed.runtime, "launched", lambda: True)
+    monkeypatch.setattr(distributed.runtime, "_import_horovod", lambda: fake)
     distributed.init(fusion_threshold_mb=8, autotune=True, autotune_log="tune.csv")
     assert fake.seen == {"HOROVOD_FUSION_THRESHOLD": str(8 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "5",
                          "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "tune.csv", "HOROVOD_ENABLE_XLA_OPS": None}

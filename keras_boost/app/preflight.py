@@ -30,6 +30,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from keras_boost.distributed.hosts import PROBE_PYTHON
+
 PACKAGES = ("tensorflow", "keras", "horovod", "keras_boost")
 CONNECT_TIMEOUT = 10  # seconds for ssh to connect
 DEFAULT_TIMEOUT = 90.0  # seconds for one host's whole probe (ssh, then importing TensorFlow there)
@@ -37,37 +39,6 @@ DEFAULT_TIMEOUT = 90.0  # seconds for one host's whole probe (ssh, then importin
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no",
                "-o", f"ConnectTimeout={CONNECT_TIMEOUT}")
 
-_PROBE_PYTHON = r'''
-import json, platform, sys
-facts = {"found": True, "executable": sys.executable, "python": platform.python_version(), "versions": {},
-         "errors": {}}
-
-def attempt(name, load):
-    try:
-        facts["versions"][name] = load()
-    except BaseException as error:  # noqa: BLE001 - any failure to import is the finding
-        text = (str(error).strip().splitlines() or [""])[0]
-        facts["errors"][name] = (type(error).__name__ + (": " + text if text else ""))[:300]
-
-def horovod_version():
-    import horovod
-    import horovod.tensorflow as hvd
-    facts["mpi_built"] = bool(hvd.mpi_built())
-    facts["gloo_built"] = bool(hvd.gloo_built())
-    return horovod.__version__
-
-attempt("tensorflow", lambda: __import__("tensorflow").__version__)
-attempt("keras", lambda: __import__("keras").__version__)
-attempt("horovod", horovod_version)
-attempt("keras_boost", lambda: __import__("keras_boost").__version__)
-try:
-    import psutil
-    facts["interfaces"] = [[name, a.address, a.netmask] for name, addresses in psutil.net_if_addrs().items()
-                           for a in addresses if a.family == 2]
-except BaseException:  # noqa: BLE001
-    pass
-print("@@json " + json.dumps(facts), flush=True)
-'''
 
 
 # The launcher's variables that decide what a worker imports; horovodrun forwards them to
@@ -94,7 +65,7 @@ def probe_script(python, cwd, environ=None):
             "ip -o -4 addr show 2>/dev/null\n"
             "echo @@python\n"
             f"if [ -x {python} ]; then\n"
-            f"{python} - <<'KB_PREFLIGHT_EOF'\n{_PROBE_PYTHON}\nKB_PREFLIGHT_EOF\n"
+            f"{python} - <<'KB_PREFLIGHT_EOF'\n{PROBE_PYTHON}\nKB_PREFLIGHT_EOF\n"
             'else echo \'@@json {"found": false}\'; fi\n'
             "echo @@end\n")
 

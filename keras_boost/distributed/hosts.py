@@ -102,3 +102,40 @@ def check_host_addresses(environ=None, hostname=None, resolve=_resolve, interfac
             f"it (`connect [{address}]:PORT: Connection refused`), even with HOROVOD_GLOO_IFACE={iface}. Map "
             f"{hostname} to this host's address on the network the hosts share (e.g. {above[0]}) in /etc/hosts, "
             "or launch with --controller mpi (horovodrun --mpi); `keras-boost info --hosts ...` checks every host")
+
+
+# What `keras-boost info --hosts` (keras_boost/app/preflight.py) runs with each host's Python:
+# the versions of TensorFlow, Keras, Horovod (and its controllers) and keras_boost there, and
+# the host's IPv4 interfaces, as one "@@json" line. Plain Python text: that host may lack any
+# of these packages, which is what it reports.
+PROBE_PYTHON = r'''
+import json, platform, sys
+facts = {"found": True, "executable": sys.executable, "python": platform.python_version(), "versions": {},
+         "errors": {}}
+
+def attempt(name, load):
+    try:
+        facts["versions"][name] = load()
+    except BaseException as error:  # noqa: BLE001 - any failure to import is the finding
+        text = (str(error).strip().splitlines() or [""])[0]
+        facts["errors"][name] = (type(error).__name__ + (": " + text if text else ""))[:300]
+
+def horovod_version():
+    import horovod
+    import horovod.tensorflow as hvd
+    facts["mpi_built"] = bool(hvd.mpi_built())
+    facts["gloo_built"] = bool(hvd.gloo_built())
+    return horovod.__version__
+
+attempt("tensorflow", lambda: __import__("tensorflow").__version__)
+attempt("keras", lambda: __import__("keras").__version__)
+attempt("horovod", horovod_version)
+attempt("keras_boost", lambda: __import__("keras_boost").__version__)
+try:
+    import psutil
+    facts["interfaces"] = [[name, a.address, a.netmask] for name, addresses in psutil.net_if_addrs().items()
+                           for a in addresses if a.family == 2]
+except BaseException:  # noqa: BLE001
+    pass
+print("@@json " + json.dumps(facts), flush=True)
+'''

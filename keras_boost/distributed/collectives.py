@@ -1,0 +1,240 @@
+"""Collectives across the workers, named by position so that every worker pairs them alike.
+
+Averages and sums (`grouped_allreduce`, `allreduce_each`, `allreduce`, bfloat16 through
+an allgather), `reducescatter`, native `adasum_allreduce`, gathers, broadcasts, process
+sets and `barrier`; in a single process each returns its input. Also the collective
+counter that tests read (`count_collectives`, `allreduce_count`).
+"""
+
+import tensorflow as tf
+
+from keras_boost.distributed.runtime import _counter, _hvd, _state, horovod
+
+
+def count_collectives(enabled=True):
+    """Switches the collective counter on or off for steps traced from now on (for tests)."""
+    _state.counting = bool(enabled)
+
+
+def counting():
+    """Whether steps traced now count their collectives."""
+    return _state.counting
+
+
+def allreduce_count():
+    """Number of collectives run by compiled steps traced while counting was on."""
+    return int(_counter().numpy())
+
+
+def _count(outputs):
+    """Ties the collective counter to `outputs` (inside a graph the increment runs with them)."""
+    if _state.counting and tf.inside_function():
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            _counter().assign_add(1)
+    return outputs
+
+
+def _name(prefix):
+    """`keras_boost.<prefix>.<n>`: n counts from the last restart of the numbering.
+
+    Horovod pairs the workers' tensors by name. The numbering restarts at the start of every
+    trace of the train step (`start_trace`), whatever a worker traced before, and when
+    elastic training re-forms the workers (`restart_collective_names`), so a worker that
+    just joined and the survivors name their collectives alike.
+    """
+    _state.op_index += 1
+    return f"keras_boost.{prefix}.{_state.op_index}"
+
+
+def start_trace():
+    """Restarts the numbering once per traced graph (call at the start of the train step)."""
+    if tf.inside_function():
+        graph = tf.compat.v1.get_default_graph()
+        if graph not in _state.names:  # once per trace, even with steps_per_execution > 1
+            _state.names[graph] = True
+            _state.op_index = 0
+
+
+def restart_collective_names():
+    """Restarts the numbering; elastic training calls it on every worker when the workers re-form."""
+    _state.op_index = 0
+
+
+def grouped_allreduce(tensors, average=True, process_set=None):
+    """Averages (or sums) a list of tensors across workers in one fused collective per dtype.
+
+    Horovod fuses only tensors of one dtype (a grouped allreduce of mixed dtypes is an
+    error), so a list that mixes dtypes takes one collective per dtype, in order of first
+    appearance. bfloat16 tensors, which Horovod 0.28.1 cannot reduce, take one grouped
+    allgather instead (`_bfloat16_allreduce`).
+    """
+    tensors = list(tensors)
+    hvd = _hvd()
+    if hvd is None or not tensors:
+        return tensors
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(_values_dtype(t), []).append(i)
+    reduced = [None] * len(tensors)
+    for dtype, positions in by_dtype.items():
+        group = [tensors[i] for i in positions]
+        if dtype == tf.bfloat16:
+            outputs = _bfloat16_allreduce(hvd, group, average, kwargs)
+        else:
+            outputs = _count(list(hvd.grouped_allreduce(group, op=_average_or_sum(hvd, average), name=_name("allreduce"), **kwargs)))
+        for i, output in zip(positions, outputs):
+            reduced[i] = output
+    return reduced
+
+
+def allreduce_each(tensors, average=True, process_set=None):
+    """Averages (or sums) each tensor in a collective of its own, counted as one reduction.
+
+    Each tensor goes to Horovod as soon as the backward pass has produced it, as Horovod's
+    `DistributedGradientTape` does, so the first gradients travel while the rest are still
+    computed; Horovod's fusion buffer still packs the tensors that are ready in the same
+    cycle into one allreduce. bfloat16 tensors take `grouped_allreduce`'s allgather.
+    """
+    tensors = list(tensors)
+    hvd = _hvd()
+    if hvd is None or not tensors:
+        return tensors
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    op = _average_or_sum(hvd, average)
+    base = _name("allreduce")
+    reduced = [None] * len(tensors)
+    halves = [i for i, t in enumerate(tensors) if _values_dtype(t) == tf.bfloat16]
+    if halves:
+        for i, output in zip(halves, _bfloat16_allreduce(hvd, [tensors[i] for i in halves], average, kwargs)):
+            reduced[i] = output
+    rest = [i for i in range(len(tensors)) if reduced[i] is None]
+    outputs = [hvd.allreduce(tensors[i], op=op, name=f"{base}.{n}", **kwargs) for n, i in enumerate(rest)]
+    if outputs:
+        _count(outputs)
+    for i, output in zip(rest, outputs):
+        reduced[i] = output
+    return reduced
+
+
+def _average_or_sum(hvd, average):
+    return hvd.Average if average else hvd.Sum
+
+
+def _values_dtype(tensor):
+    return tensor.values.dtype if isinstance(tensor, tf.IndexedSlices) else tensor.dtype
+
+
+def _bfloat16_allreduce(hvd, tensors, average, kwargs):
+    """The mean (or sum) of bfloat16 tensors across workers, identical on every worker.
+
+    Horovod 0.28.1's allreduce takes uint8, int8, int32, int64, float16, float32 and float64
+    only; its allgather takes int16. Every worker gathers the others' bfloat16 bit patterns
+    (as int16, one grouped allgather) and sums them in float64 in rank order (no overflow,
+    no order dependence), then rounds the result to bfloat16. Received bytes per worker:
+    (workers - 1) x half the float32 size, against 2 (workers - 1) / workers x the float32
+    size for a ring allreduce of float32: fewer below 4 workers, as many at 4, more beyond.
+    """
+    dense = [tf.convert_to_tensor(t) for t in tensors]
+    flat = [tf.reshape(tf.bitcast(t, tf.int16), [1, -1]) for t in dense]
+    gathered = _count(list(hvd.grouped_allgather(flat, name=_name("allgather_bf16"), **kwargs)))
+    reduced = []
+    for tensor, rows in zip(dense, gathered):
+        values = tf.cast(tf.cast(tf.bitcast(rows, tf.bfloat16), tf.float32), tf.float64)
+        total = tf.reduce_sum(values, axis=0)
+        if average:
+            total = total / tf.cast(tf.shape(values)[0], tf.float64)
+        reduced.append(tf.reshape(tf.cast(tf.cast(total, tf.float32), tf.bfloat16), tf.shape(tensor)))
+    return reduced
+
+
+def reducescatter(tensor, process_set=None):
+    """Sums a 1-D tensor across the workers of `process_set` (default: all) and keeps this worker's part.
+
+    The length must be a multiple of the number of workers in the set; the i-th worker of
+    the set, in rank order, gets the i-th of the equal parts.
+    """
+    hvd = _hvd()
+    if hvd is None:
+        return tf.convert_to_tensor(tensor)
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return _count(hvd.reducescatter(tensor, op=hvd.Sum, name=_name("reducescatter"), **kwargs))
+
+
+def allreduce(tensor, average=True, process_set=None):
+    return grouped_allreduce([tensor], average=average, process_set=process_set)[0]
+
+
+def adasum_allreduce(tensors, process_set=None, device=""):
+    """Horovod's native Adasum of each tensor across workers (MPI builds only).
+
+    `device` is Horovod's `device_dense`: "/CPU:0" runs the CPU Adasum (MPI, host memory)
+    even on GPU tensors; "" lets Horovod run its hierarchical GPU Adasum on GPU tensors
+    when it is built with NCCL.
+    """
+    hvd = horovod()
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    if device:  # the input on that device too: Horovod picks its GPU or CPU Adasum by the input's device
+        with tf.device(device):
+            tensors = [tf.identity(t) for t in tensors]
+    reduced = [hvd.allreduce(t, op=hvd.Adasum, name=_name("adasum"), device_dense=device, **kwargs)
+               for t in tensors]
+    return _count(reduced)
+
+
+def allgather(tensor, process_set=None):
+    """Concatenates `tensor` from every worker along axis 0, in rank order."""
+    hvd = _hvd()
+    if hvd is None:
+        return tf.convert_to_tensor(tensor)
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return _count(hvd.allgather(tensor, name=_name("allgather"), **kwargs))
+
+
+def broadcast_variables(variables, root_rank=0):
+    """Sets every variable to its value on `root_rank` (eager; call between steps)."""
+    hvd = _hvd()
+    if hvd is None:
+        return
+    for index, variable in enumerate(variables):
+        value = getattr(variable, "value", variable)
+        variable.assign(hvd.broadcast(value, root_rank, name=f"keras_boost.bcast.{index}"))
+
+
+def broadcast_object(obj, root_rank=0):
+    """Returns rank `root_rank`'s Python object on every worker."""
+    hvd = _hvd()
+    if hvd is None:
+        return obj
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=_name("bcast_object"))
+
+
+def allgather_object(obj, name):
+    """Every worker's picklable `obj`, as a list in rank order (eager; `name` the same on every worker)."""
+    hvd = _hvd()
+    if hvd is None:
+        return [obj]
+    return list(hvd.allgather_object(obj, name=name))
+
+
+def add_process_set(ranks):
+    """The Horovod process set over `ranks`, registered on first use (every worker must ask in the same order).
+
+    Asking again for the same ranks returns the set already registered (Horovod refuses a
+    second registration), so several stages and models may share a process set.
+    """
+    hvd = horovod()
+    key = tuple(sorted(int(r) for r in ranks))
+    known = _state.process_sets.get(key)
+    if known is not None and known.process_set_id is not None:
+        return known
+    registered = hvd.add_process_set(list(key))
+    _state.process_sets[key] = registered
+    return registered
+
+
+def barrier():
+    """Returns once every worker has called it (eager)."""
+    hvd = _hvd()
+    if hvd is not None:
+        hvd.allreduce(tf.constant(0.0), name=_name("barrier")).numpy()
