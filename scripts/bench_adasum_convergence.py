@@ -23,8 +23,9 @@ import bench_common  # noqa: F401  (puts the repository on sys.path)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_boost import AdaSum, BoostModel, data, distributed  # noqa: E402
-from keras_boost.app.cli import _positive_float  # noqa: E402  (the CLI's check of a learning rate)
+from keras_boost import AdaSum, BoostModel, distributed  # noqa: E402
+from keras_boost.app import data  # noqa: E402
+from keras_boost.app.cli import positive_float  # noqa: E402  (the CLI's check of a learning rate)
 from keras_boost.app.training import build_model, load_dataset  # noqa: E402
 
 KINDS = ("avg", "adasum")
@@ -35,7 +36,7 @@ def parse_run(text):
     kind, _, rate = text.partition(":")
     if kind not in KINDS:
         raise argparse.ArgumentTypeError(f"run kind must be one of {KINDS}, got {kind!r} in {text!r}")
-    return kind, _positive_float(rate)
+    return kind, positive_float(rate)
 
 
 class EpochEval(keras.callbacks.Callback):

@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_apps.py --model resnet50 --configs keras O0 O1 --rounds 2
 
 Every configuration runs in its own process (a fresh TensorFlow, nothing shared), the
-configurations take turns round after round, and each process trains with `fit` as users
-call it: `--epochs` epochs of `--steps` steps of batch `--batch-size` on 32x32x3 inputs
+configurations take turns round after round, their order rotated by one per round
+(`keras_boost.app.turns`, the method every benchmark shares), and each process trains
+with `fit` as users call it: `--epochs` epochs of `--steps` steps of batch `--batch-size` on 32x32x3 inputs
 (random data: this measures speed, not accuracy). Reported per configuration: the median
 step time after the first epoch (each run's mean step without each epoch's first step,
 which also starts the epoch, and without the steps that traced a function; then the median
@@ -26,6 +27,8 @@ Configurations (`--configs`):
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
     O1-fixed     O1 without self-measurement (every stage of the level stays on)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
+    O0-scale-fixed, O0-scale-dynamic
+                 O0 with loss scaling (FixedLossScale(1024), DynamicLossScale()) in float32
     O1-nogc      O1-mindspore without gradient centralization
     O1-cont      no GC, the continuous freeze strategy over 10 groups
     O1-cont4     no GC, the continuous freeze strategy over 4 groups (keras_boost's O1 defaults)
@@ -42,10 +45,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+import bench_common  # noqa: F401,E402 (first: this checkout's keras_boost on sys.path, not the installed one)
+from keras_boost.app import turns
 from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
 from keras_boost.config import MINDSPORE_DEFAULTS
 
@@ -72,7 +76,18 @@ CONFIGS = {
     "lessbn-gc": ("O1", {**O1_NO_FREEZE, "less_bn": {"fn_flag": True, "gc_flag": True}}),
     "freeze": ("O1", {"boost": FREEZE_ONLY, "grad_freeze": MINDSPORE_FREEZE}),
     "freeze-p1": ("O1", {"boost": FREEZE_ONLY, "grad_freeze": {**MINDSPORE_FREEZE, "freeze_p": 1.0}}),
+    "O0-scale-fixed": ("O0", None),
+    "O0-scale-dynamic": ("O0", None),
 }
+
+
+def compile_options(config):
+    """The compile options a configuration adds (the boost options of the O0-* configurations)."""
+    from keras_boost import DynamicLossScale, FixedLossScale
+
+    return {"O0-noguard": lambda: {"nan_guard": False},
+            "O0-scale-fixed": lambda: {"loss_scale": FixedLossScale(1024.0)},
+            "O0-scale-dynamic": lambda: {"loss_scale": DynamicLossScale()}}.get(config, dict)()
 
 
 def application(family, input_shape=None, classes=10):
@@ -162,8 +177,7 @@ def build(family, config, seed=0):
         model = keras.Model(base.inputs, base.outputs)
     else:
         model = BoostModel(base.inputs, base.outputs, boost_level=level, boost_config=boost_config)
-    extra = {"nan_guard": False} if config == "O0-noguard" else {}
-    model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"], **extra)
+    model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"], **compile_options(config))
     return model
 
 
@@ -215,10 +229,6 @@ def worker(args):
                                   "fit": time.perf_counter() - start}), flush=True)
 
 
-def spread(values, digits=2):
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=FAMILIES, default="resnet50")
@@ -240,33 +250,33 @@ def main():
     results = {config: {key: [] for key in ("step", "cpu_step", "epoch", "first_step", "first_epoch", "fit")}
                for config in args.configs}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    for round_index in range(args.rounds):
-        for config in args.configs:
-            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--model", args.model,
-                       "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-            if args.np > 1:
-                horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-                command = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", *command]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
-            # under horovodrun, rank 0's lines start with "[0]<stdout>:"
-            line = next((l[l.index("RESULT "):] for l in done.stdout.splitlines() if "RESULT " in l), None)
-            if done.returncode != 0 or line is None:
-                sys.exit(f"{config} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-            result = json.loads(line[len("RESULT "):])
-            results[config]["step"].append(steady_step(result["steps"], args.steps))
-            results[config]["cpu_step"].append(steady_step(result["cpu_steps"], args.steps))
-            if args.raw:
-                with open(args.raw, "a") as raw:
-                    raw.write(json.dumps({"round": round_index, "config": config, **result}) + "\n")
-            results[config]["epoch"].append(statistics.median(result["epochs"][1:]))
-            results[config]["first_step"].append(result["first_step"])
-            results[config]["first_epoch"].append(result["epochs"][0])
-            results[config]["fit"].append(result["fit"])
-            print(f"round {round_index + 1} {config}: step {1000 * results[config]['step'][-1]:.0f} ms, "
-                  f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s",
-                  flush=True)
-            for option, kept, numbers in result["self_measurement"] or ():
-                print(f"    self-measurement: {option} {'stays on' if kept else 'switched off'}: {numbers}", flush=True)
+
+    def command(config, round_index):
+        command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--model", args.model,
+                   "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+        if args.np > 1:
+            horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+            command = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", *command]
+        return command
+
+    def report(config, round_index, result):
+        results[config]["step"].append(steady_step(result["steps"], args.steps))
+        results[config]["cpu_step"].append(steady_step(result["cpu_steps"], args.steps))
+        if args.raw:
+            with open(args.raw, "a") as raw:
+                raw.write(json.dumps({"round": round_index, "config": config, **result}) + "\n")
+        results[config]["epoch"].append(statistics.median(result["epochs"][1:]))
+        results[config]["first_step"].append(result["first_step"])
+        results[config]["first_epoch"].append(result["epochs"][0])
+        results[config]["fit"].append(result["fit"])
+        print(f"round {round_index + 1} {config}: step {1000 * results[config]['step'][-1]:.0f} ms, "
+              f"epochs {[round(e, 2) for e in result['epochs']]}, first step {result['first_step']:.2f} s",
+              flush=True)
+        for option, kept, numbers in result["self_measurement"] or ():
+            print(f"    self-measurement: {option} {'stays on' if kept else 'switched off'}: {numbers}", flush=True)
+
+    # under horovodrun, rank 0's result line starts with "[0]<stdout>:"; turns.result_line allows it
+    turns.take_turns(args.configs, args.rounds, command, timeout=args.timeout, env=env, report=report)
     print_table(args, results)
 
 
@@ -278,7 +288,7 @@ def print_table(args, results):
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TensorFlow's default")
     workers = f"{args.np} workers (horovodrun --gloo) per configuration" if args.np > 1 else "one process"
     print(f"\n{args.model}, {workers}, batch {args.batch_size}, {args.steps} steps per epoch, {args.epochs} epochs, "
-          f"{args.rounds} rounds (one process each, taking turns), TF_ENABLE_ONEDNN_OPTS={onednn}; "
+          f"{args.rounds} rounds (one process each, taking turns, order rotated per round), TF_ENABLE_ONEDNN_OPTS={onednn}; "
           f"ratios against {reference}")
     print(f"| configuration | step after the first epoch (mean; median, range over rounds) | speed vs {reference} | "
           f"CPU time per step | vs {reference} | epoch after the first | first step | first step / {reference} | "
@@ -287,7 +297,7 @@ def print_table(args, results):
     for config, values in results.items():
         m = median[config]
         steps_ms = [1000 * v for v in values["step"]]
-        print(f"| {config} | {1000 * m['step']:.0f} ms ({spread(steps_ms, 0)}) | {ref['step'] / m['step']:.2f}x | "
+        print(f"| {config} | {1000 * m['step']:.0f} ms ({turns.spread(steps_ms, 0)}) | {ref['step'] / m['step']:.2f}x | "
               f"{1000 * m['cpu_step']:.0f} ms | {ref['cpu_step'] / m['cpu_step']:.2f}x | "
               f"{m['epoch']:.2f} s | {m['first_step']:.1f} s | {m['first_step'] / ref['first_step']:.2f}x | "
               f"{m['first_epoch']:.1f} s | {m['fit']:.1f} s |")

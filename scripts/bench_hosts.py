@@ -627,15 +627,10 @@ def first_error(ranks, tail):
     return lines[-1][-300:] if lines else "no output"
 
 
-def median_range(values, digits):
-    m = statistics.median(values)
-    if len(values) == 1:
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
-
 def make_table(args, runs, command_line):
     """The Markdown table: rows model x link x configuration; medians over the rounds."""
+    from keras_boost.app.turns import median_range  # the statistic every benchmark shares (ROOT is on sys.path)
+
     hosts_list = sorted(args.hosts)
     probes = [r for r in runs if r.get("kind") == "link_probe"]
     runs = [r for r in runs if r.get("kind") == "run"]

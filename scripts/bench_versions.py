@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_versions.py --rev fca8656 --against HEAD --rounds 3
 
-Each round runs one process per version, taking turns (before, after, before, ...). A
+Each round runs one process per version, taking turns, the order rotated by one per round
+(`keras_boost.app.turns`, the method every benchmark shares). A
 process times `BoostModel.fit` and plain `keras.Model.fit` on the demo ResNet (same
 weights and data, batch 128), the two models alternating epoch by epoch, and reports the
 median step of each; the ratio BoostModel / keras.Model cancels most of the machine's
@@ -11,13 +12,14 @@ working tree can change while it runs.
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from keras_boost.app import turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,12 +65,8 @@ print("RESULT " + json.dumps({{name: statistics.median(v) for name, v in times.i
 
 def run(tree, args):
     env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", PROGRAM.format(steps=args.steps, epochs=args.epochs)],
-                         cwd=tree, env=env, capture_output=True, text=True, timeout=1200)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return json.loads(line[len("RESULT "):])
+    return turns.run_once([sys.executable, "-c", PROGRAM.format(steps=args.steps, epochs=args.epochs)],
+                          cwd=tree, env=env, timeout=1200, name=tree)
 
 
 def main():
@@ -86,9 +84,9 @@ def main():
                        capture_output=True)
     try:
         results = {rev: [] for rev in trees}
-        for _ in range(args.rounds):
-            for rev, tree in trees.items():
-                results[rev].append(run(tree, args))
+        for round_index in range(args.rounds):  # each revision in its own process (its tree), taking turns
+            for rev in turns.turn_order(list(trees), round_index):
+                results[rev].append(run(trees[rev], args))
         print(f"load average after: {os.getloadavg()}")
         print("| version | BoostModel step (ms) | keras.Model step (ms) | BoostModel / keras.Model (median of rounds) |")
         print("|---|---|---|---|")

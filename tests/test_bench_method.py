@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "experiments"))
 import bench_apps  # noqa: E402
 
 
@@ -79,3 +80,69 @@ def test_bench_groups_assigns_each_step_its_freeze_group():
     for group, (count, wall, cpu) in found.items():
         assert wall == pytest.approx(1000 * (0.5 - 0.1 * group)) and cpu == pytest.approx(2 * wall)
     assert bench_groups.sequence_of("keras") is None and bench_groups.sequence_of("lessbn") is None
+
+
+# ---------------------------------------------------------------- the shared runner (keras_boost.app.turns)
+def _reporting_command(name, round_index):
+    code = ("import json, os; print('noise'); "
+            f"print('[0]<stdout>:RESULT ' + json.dumps({{'pid': os.getpid(), 'name': {name!r}, 'round': {round_index}}}))")
+    return [sys.executable, "-c", code]
+
+
+def test_take_turns_runs_each_configuration_in_its_own_process_rotating_the_order():
+    from keras_boost.app import turns
+
+    seen = []
+    results = turns.take_turns(["a", "b", "c"], 3, _reporting_command, timeout=60,
+                               report=lambda name, r, result: seen.append((r, name)))
+    assert seen == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")]
+    assert {name: [r["round"] for r in rs] for name, rs in results.items()} == {n: [0, 1, 2] for n in "abc"}
+    pids = [r["pid"] for rs in results.values() for r in rs]
+    assert len(set(pids)) == 9  # nine processes, none shared
+
+
+def test_take_turns_fixed_order_when_not_rotating():
+    from keras_boost.app import turns
+
+    assert turns.turn_order(["a", "b", "c"], 4, rotate=False) == ["a", "b", "c"]
+    assert turns.turn_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize("code, reason", [("import sys; print('RESULT {}'); sys.exit(3)", "exit status 3"),
+                                          ("print('no result here')", "no result")])
+def test_a_failed_run_names_itself_and_why(code, reason):
+    from keras_boost.app import turns
+
+    with pytest.raises(turns.RunFailed, match=rf"^O1 \(round 1\) failed \({reason}\)"):
+        turns.take_turns(["O1"], 1, lambda name, r: [sys.executable, "-c", code], timeout=60)
+
+
+def test_rounds_must_be_a_positive_integer():
+    from keras_boost.app import turns
+
+    with pytest.raises(ValueError, match="rounds must be a positive integer, got 0"):
+        turns.take_turns(["a"], 0, _reporting_command, timeout=60)
+
+
+def test_spread_and_median_range():
+    from keras_boost.app import turns
+
+    assert turns.spread([3.0, None, 1.25], 2) == "1.25-3.00" and turns.spread([None]) == "-"
+    assert turns.median_range([1.0, 4.0, 2.0], 1) == "2.0 [1.0-4.0]" and turns.median_range([2.5], 2) == "2.50"
+    assert turns.median([None, 3, 1, 2]) == 2 and turns.median([]) is None
+
+
+def test_every_benchmark_script_imports():
+    """Every script under scripts/ and scripts/experiments/ loads (its imports name what exists)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    failures = []
+    for path in sorted([*root.glob("bench_*.py"), *(root / "experiments").glob("bench_*.py"), root / "mutation_check.py"]):
+        spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 - any import failure is the finding
+            failures.append(f"{path.relative_to(root.parent)}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)

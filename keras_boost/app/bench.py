@@ -1,8 +1,9 @@
 """`keras-boost bench`: the same model and data at several boost levels, side by side.
 
-The method holds still on a noisy machine: every (round, seed, level) run is its own
-process (a fresh TensorFlow; under `horovodrun` when `--np` > 1), the levels take turns
-within each round, and `fit` is called as users call it. The table gives medians with
+The method holds still on a noisy machine (`keras_boost.app.turns`, shared with the
+scripts): every (round, seed, level) run is its own process (a fresh TensorFlow; under
+`horovodrun` when `--np` > 1), the levels take turns within each round, their order
+rotated by one per round, and `fit` is called as users call it. The table gives medians with
 their range over the runs; the plot, test accuracy against training time.
 """
 
@@ -10,7 +11,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,6 +18,7 @@ import time
 import keras
 
 from keras_boost import distributed
+from keras_boost.app import turns
 
 
 class _EpochClock(keras.callbacks.Callback):
@@ -83,16 +84,12 @@ def steady_step(steps, steps_per_epoch):
 
 
 def steady_indices(steps, steps_per_epoch):
-    """The indices of the steps `steady_step` averages (also how scripts/bench_groups.py picks them)."""
+    """The indices of the steps `steady_step` averages (also how scripts/experiments/bench_groups.py picks them)."""
     inner = [index for index in range(len(steps)) if index % steps_per_epoch]
     if not inner:
         return []
     limit = 4 * statistics.median(steps[i] for i in inner)
     return [i for i in inner if steps[i] <= limit]
-
-
-def _median(values):
-    return statistics.median(values) if values else None
 
 
 def time_to(result, target):
@@ -104,13 +101,6 @@ def time_to(result, target):
     return None
 
 
-def _range(values, digits=1):
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
-
-
 def summarize(runs, levels):
     """Per level: medians and ranges over its runs (every round and seed)."""
     by_level = {level: [r for r in runs if r["level"] == level] for level in levels}
@@ -118,14 +108,14 @@ def summarize(runs, levels):
     target = final[levels[0]] - 0.005
     rows = []
     for level, rs in by_level.items():
-        later_epochs = [_median(r["epoch_times"][1:]) or r["epoch_times"][0] for r in rs]
+        later_epochs = [turns.median(r["epoch_times"][1:]) or r["epoch_times"][0] for r in rs]
         reached = [time_to(r, target) for r in rs]
         rows.append({
             "level": level, "runs": len(rs),
-            "epoch": _median(later_epochs), "epochs": later_epochs,
-            "step": _median([r["step_time"] for r in rs if r["step_time"] is not None]),
-            "first_step": _median([r["first_step"] for r in rs]), "first_epoch": _median([r["epoch_times"][0] for r in rs]),
-            "to_target": _median([t for t in reached if t is not None]) if all(t is not None for t in reached) else None,
+            "epoch": turns.median(later_epochs), "epochs": later_epochs,
+            "step": turns.median([r["step_time"] for r in rs if r["step_time"] is not None]),
+            "first_step": turns.median([r["first_step"] for r in rs]), "first_epoch": turns.median([r["epoch_times"][0] for r in rs]),
+            "to_target": turns.median([t for t in reached if t is not None]) if all(t is not None for t in reached) else None,
             "reached": sum(t is not None for t in reached),
             "accuracy": final[level], "accuracies": [r["accuracies"][-1] for r in rs],
             "report": rs[-1]["report"],
@@ -151,9 +141,9 @@ def markdown_table(runs, levels, target=None):
         report = ", ".join(f"{k}={v}" for k, v in row["report"].items() if k != "level")
         step = f"{1000 * row['step']:.0f}" if row["step"] else "-"
         lines.append(
-            f"| {row['level']} | {row['epoch']:.1f} ({_range(row['epochs'])}) | {step} | {step_speedup} | "
+            f"| {row['level']} | {row['epoch']:.1f} ({turns.spread(row['epochs'])}) | {step} | {step_speedup} | "
             f"{row['first_step']:.1f} | {row['first_epoch']:.1f} | {to_target} | {speedup} | {row['accuracy']:.4f} "
-            f"({_range(row['accuracies'], 4)}) | {report} |")
+            f"({turns.spread(row['accuracies'], 4)}) | {report} |")
     return "\n".join(lines)
 
 
@@ -195,30 +185,38 @@ def child_command(argv, level, seed, result_path, np_workers, controller):
 
 
 def run_bench(args, argv):
-    """Every round, seed and level in its own process, taking turns; writes the table and the plot."""
+    """Every round, seed and level in its own process, taking turns (`keras_boost.app.turns`); writes the table and the plot."""
     seeds = args.seeds or [args.seed]
     runs = []
     if args.raw:
         open(args.raw, "w").close()  # this bench's runs only
     with tempfile.TemporaryDirectory(prefix="keras-boost-bench-") as folder:
-        for round_index in range(args.rounds):
-            for seed in seeds:
-                for level in args.levels:
-                    path = os.path.join(folder, f"{round_index}-{seed}-{level}.json")
-                    command = child_command(argv, level, seed, path, args.np, args.controller)
-                    done = subprocess.run(command, timeout=args.run_timeout, stdout=subprocess.DEVNULL)
-                    if done.returncode != 0 or not os.path.exists(path):
-                        raise RuntimeError(f"the {level} run (round {round_index + 1}, seed {seed}) failed with exit "
-                                           f"status {done.returncode}: {' '.join(command)}")
-                    with open(path) as handle:
-                        run = json.load(handle)
-                    runs.append(run)
-                    print(f"round {round_index + 1} seed {seed} {level}: epochs "
-                          f"{[round(t, 1) for t in run['epoch_times']]} s, test accuracy "
-                          f"{[round(a, 4) for a in run['accuracies']]}", flush=True)
-                    if args.raw:
-                        with open(args.raw, "a") as handle:
-                            handle.write(json.dumps({"round": round_index, **run}) + "\n")
+        def path_of(name, round_index):
+            seed, level = name
+            return os.path.join(folder, f"{round_index}-{seed}-{level}.json")
+
+        def command(name, round_index):
+            seed, level = name
+            return child_command(argv, level, seed, path_of(name, round_index), args.np, args.controller)
+
+        def read(done):
+            path = done.args[done.args.index("--result-json") + 1] if "--result-json" in done.args else None
+            if path is None or not os.path.exists(path):
+                return None
+            with open(path) as handle:
+                return json.load(handle)
+
+        def report(name, round_index, run):
+            runs.append(run)
+            print(f"round {round_index + 1} seed {name[0]} {name[1]}: epochs "
+                  f"{[round(t, 1) for t in run['epoch_times']]} s, test accuracy "
+                  f"{[round(a, 4) for a in run['accuracies']]}", flush=True)
+            if args.raw:
+                with open(args.raw, "a") as handle:
+                    handle.write(json.dumps({"round": round_index, **run}) + "\n")
+
+        turns.take_turns([(seed, level) for seed in seeds for level in args.levels], args.rounds, command,
+                         timeout=args.run_timeout, read=read, report=report)
     table = markdown_table(runs, args.levels)
     with open(args.table, "w") as handle:
         handle.write(table + "\n")

@@ -81,7 +81,8 @@ def _non_negative_float(text):
     return value
 
 
-def _positive_float(text):
+def positive_float(text):
+    """argparse type: a positive number (a learning rate, a timeout); also used by scripts/bench_adasum_convergence.py."""
     try:
         value = float(text)
     except ValueError:
@@ -189,7 +190,7 @@ def _add_training_options(parser, epochs):
                         help="fashion_mnist (Debian package dataset-fashion-mnist) or synthetic")
     parser.add_argument("--epochs", type=_positive_int, default=epochs)
     parser.add_argument("--batch-size", type=_positive_int, default=64, help="per-worker batch size")
-    parser.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate of SGD, momentum 0.9")
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="learning rate of SGD, momentum 0.9")
     parser.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="limit batches per epoch")
     parser.add_argument("--train-samples", type=_positive_int, default=None, help="use the first N training samples")
     parser.add_argument("--config", default=None, help="boost configuration JSON file (AutoBoost sections and keys)")
@@ -232,7 +233,7 @@ def build_parser():
                           "--hosts: a preflight check of every host before a multi-host launch")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_host_options(info, launching=False)
-    info.add_argument("--timeout", type=_positive_float, default=preflight.DEFAULT_TIMEOUT, metavar="SECONDS",
+    info.add_argument("--timeout", type=positive_float, default=preflight.DEFAULT_TIMEOUT, metavar="SECONDS",
                       help=f"with --hosts: seconds one host's check may take (default {preflight.DEFAULT_TIMEOUT:g}; "
                       f"ssh connects in {preflight.CONNECT_TIMEOUT} s at most)")
 
@@ -252,7 +253,7 @@ def build_parser():
                        "the levels taking turns (each run is its own process)")
     bench.add_argument("--seeds", type=int, nargs="+", default=None, help="run every level with each of these "
                        "seeds (default: --seed)")
-    bench.add_argument("--run-timeout", type=_positive_float, default=3600, help="seconds one run may take")
+    bench.add_argument("--run-timeout", type=positive_float, default=3600, help="seconds one run may take")
     bench.add_argument("--raw", default=None, help="also write every run (epoch and step times, test accuracy "
                        "per epoch, boost report) to this file, one JSON object per line")
     bench.add_argument("--result-json", default=None, help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 """Per-call cost of combining a ResNet-20-sized list of tensors across workers.
 
 Run under a launcher, e.g.
-    horovodrun -np 2 -H localhost:2 --mpi python scripts/bench_adasum_combine.py
+    horovodrun -np 2 -H localhost:2 --mpi python scripts/experiments/bench_adasum_combine.py
 
 Times, inside `tf.function`, Horovod's native Adasum (MPI, power-of-two workers only),
 keras_boost's exact fallback and, for scale, a plain averaging allreduce. Rank 0 prints
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from keras_boost import distributed  # noqa: E402
 from keras_boost.stages import adasum_ops  # noqa: E402

@@ -1,15 +1,18 @@
 """Cost of the gradient finiteness check (NaN guard / loss-scale overflow) on ResNet50's gradients.
 
-    .venv/bin/python scripts/bench_finite_check.py --rounds 20
+    .venv/bin/python scripts/experiments/bench_finite_check.py --rounds 20
 
 Random tensors shaped like every trainable variable of keras.applications.ResNet50 at
 32x32x3 (25.6 M values); three forms of the check compiled with tf.function, taking turns,
 median time per check. Also checks that each form sees one +inf.
 """
 
+import sys
+import os
 import argparse
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
 import bench_common  # noqa: F401  (sys.path and log level)
 import keras
 import numpy as np

@@ -1,6 +1,6 @@
 """ResNet50's gradient with TensorFlow's default CPU kernels against oneDNN, and where the time goes.
 
-    .venv/bin/python scripts/bench_onednn.py
+    .venv/bin/python scripts/experiments/bench_onednn.py
 
 No keras_boost: a `tf.GradientTape` step of `keras.applications.ResNet50(weights=None,
 input_shape=(32, 32, 3), classes=10)` on batch 32, compiled with `tf.function`. Each setting
@@ -14,10 +14,13 @@ import collections
 import glob
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
+import bench_common  # noqa: F401,E402 (first: this checkout's keras_boost on sys.path, not the installed one)
+from keras_boost.app import turns
 
 
 def worker(top):
@@ -82,12 +85,8 @@ def main():
         env.pop("TF_ENABLE_ONEDNN_OPTS", None)
         if setting:
             env["TF_ENABLE_ONEDNN_OPTS"] = setting
-        done = subprocess.run([sys.executable, __file__, "--worker", "--top", str(args.top)], capture_output=True,
-                              text=True, timeout=900, env=env)
-        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if done.returncode != 0 or line is None:
-            sys.exit(f"worker failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-        result = json.loads(line[len("RESULT "):])
+        result = turns.run_once([sys.executable, __file__, "--worker", "--top", str(args.top)], timeout=900,
+                                env=env, name=f"TF_ENABLE_ONEDNN_OPTS={setting or 'unset'}")
         print(f"TF_ENABLE_ONEDNN_OPTS={setting or 'unset'}: forward {1000 * result['times']['forward']:.0f} ms, "
               f"gradient {1000 * result['times']['gradient']:.0f} ms")
         for name, ms in result["ops"]:

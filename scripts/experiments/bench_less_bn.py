@@ -1,6 +1,6 @@
 """LessBN benchmark: step time with and without LessBN, and accuracy with LessBN + FN + GC.
 
-    .venv/bin/python scripts/bench_less_bn.py --rounds 4 --train-samples 20000 --epochs 3
+    .venv/bin/python scripts/experiments/bench_less_bn.py --rounds 4 --train-samples 20000 --epochs 3
 
 Step times: the demo model (batch 128, 28x28x1) and keras.applications ResNet50 (batch 32,
 32x32x3), each against its LessBN rewrite, configurations taking turns for `--rounds`
@@ -9,17 +9,20 @@ model unmodified against LessBN + FN head + gradient centralization, same seed, 
 epochs, on the full Fashion-MNIST test set.
 """
 
+import sys
 import argparse
 import os
 import statistics
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
 from bench_common import StepTimer
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_boost import BoostModel, LessBN, data  # noqa: E402
+from keras_boost import BoostModel, LessBN  # noqa: E402
+from keras_boost.app import data  # noqa: E402
 from keras_boost.app.demo_net import demo_resnet  # noqa: E402
 
 

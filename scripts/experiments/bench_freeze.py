@@ -13,7 +13,7 @@
    full 10k test set. The two runs alternate epoch by epoch on the same shuffled order.
 
 Usage:
-    .venv/bin/python scripts/bench_freeze.py [--train-samples 20000] [--epochs 3]
+    .venv/bin/python scripts/experiments/bench_freeze.py [--train-samples 20000] [--epochs 3]
         [--rounds 15] [--batch 128] [--json out.json]
 """
 
@@ -26,7 +26,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

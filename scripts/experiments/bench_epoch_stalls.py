@@ -1,6 +1,6 @@
 """The time from each epoch's start to its first step: Keras' per-epoch iterator and tf.data autotuning.
 
-    .venv/bin/python scripts/bench_epoch_stalls.py --epochs 10
+    .venv/bin/python scripts/experiments/bench_epoch_stalls.py --epochs 10
 
 Trains the demo network (keras.Model or BoostModel, 30 steps of batch 64 per epoch) with
 each way of giving the data, one process each, and prints, per epoch, the seconds between
@@ -9,11 +9,15 @@ data every epoch; with tf.data's autotuning on, destroying the previous one wait
 autotuning thread to stop, on the main thread, before the first step.
 """
 
+import os
 import argparse
 import json
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
+import bench_common  # noqa: F401,E402 (first: this checkout's keras_boost on sys.path, not the installed one)
+from keras_boost.app import turns
 
 MODES = {
     "keras-numpy": "keras.Model, NumPy arrays (Keras' own pipeline, autotuning on)",
@@ -77,12 +81,8 @@ def main():
     print("| data | seconds from epoch start to first step, epochs 1.. | their sum |")
     print("|---|---|---|")
     for mode, what in MODES.items():
-        done = subprocess.run([sys.executable, __file__, "--worker", mode, "--epochs", str(args.epochs)],
-                              capture_output=True, text=True, timeout=600)
-        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
-        waits = json.loads(line[len("RESULT "):])
+        waits = turns.run_once([sys.executable, __file__, "--worker", mode, "--epochs", str(args.epochs)],
+                               timeout=600, name=mode)
         print(f"| {what} | {', '.join(f'{w:.2f}' for w in waits)} | {sum(waits):.2f} s |", flush=True)
 
 

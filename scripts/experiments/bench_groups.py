@@ -1,6 +1,6 @@
 """Step time per freeze group, from the per-step log that `scripts/bench_apps.py --raw FILE` writes.
 
-    .venv/bin/python scripts/bench_groups.py FILE --steps 30
+    .venv/bin/python scripts/experiments/bench_groups.py FILE --steps 30
 
 For every run of a configuration that freezes (O1, O2, O1-mindspore, O1-cont, ...), the
 median wall-clock and CPU time of the steps that trained each group, after the first
@@ -10,11 +10,14 @@ configuration's freeze sequence, so the run must be one of bench_apps' configura
 and the keras_boost defaults must be those it ran with.
 """
 
+import sys
+import os
 import argparse
 import json
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
 import bench_common  # noqa: F401  (sys.path and log level)
 from bench_apps import CONFIGS
 from keras_boost.app.bench import steady_indices

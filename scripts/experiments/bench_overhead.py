@@ -1,7 +1,7 @@
 """Overhead of the boost step on the demo model, measured side by side in one process.
 
-    .venv/bin/python scripts/bench_overhead.py                  # single process: step-time ratios
-    .venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python scripts/bench_overhead.py --allreduce
+    .venv/bin/python scripts/experiments/bench_overhead.py                  # single process: step-time ratios
+    .venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python scripts/experiments/bench_overhead.py --allreduce
 
 Single process: median step time of `BoostModel.fit` against `keras.Model.fit` on the same
 model, data and weights, and of the loss-scaled step (fixed and dynamic scale, float32
@@ -10,11 +10,13 @@ machine noise falls on all of them alike. Under a launcher (`--allreduce`): the 
 time of the one fused allreduce of the demo model's gradients, per step.
 """
 
+import sys
 import argparse
 import os
 import statistics
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
 from bench_common import StepTimer
 
 import keras  # noqa: E402

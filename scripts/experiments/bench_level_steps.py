@@ -1,14 +1,17 @@
 """Median step time of the demo model at O0 and O1 (and O1 without freezing or without GC).
 
-    .venv/bin/python scripts/bench_level_steps.py --rounds 3
+    .venv/bin/python scripts/experiments/bench_level_steps.py --rounds 3
 
 The configurations take turns for `--rounds` rounds of 40 steps of batch 64 in one
 process; the first steps of each round (tracing) are dropped.
 """
 
+import sys
+import os
 import argparse
 import statistics
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
 from bench_common import StepTimer
 
 import keras  # noqa: E402
