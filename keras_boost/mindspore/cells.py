@@ -6,7 +6,8 @@ MindSpore's boost pieces are cells that users call. Here each is the one impleme
 and its stages) plus what the cell adds: building itself on the first call and MindSpore's
 calling form. `BoostTrainOneStep` adds `gradient_accumulation_process`, `adasum_process`,
 `gradient_freeze_process` and `check_adasum_enable`. The accumulation and AdaSum cells are
-their stages with a `__call__`: the same objects are given to `BoostModel.compile`.
+their stages with a `__call__`: the same objects are given to `BoostModel.compile`, and the
+registry makes its accumulation and AdaSum stages as these classes (`registry.specialize`).
 """
 
 import functools
@@ -21,6 +22,7 @@ from keras_boost.core.contract import StepContext
 from keras_boost.core.state import BoostState, training_variables
 from keras_boost.stages import accumulation, adasum
 from keras_boost.stages.loss_scale import as_loss_scale
+from keras_boost.step import registry
 from keras_boost.step.loop import BoostStep
 
 
@@ -289,3 +291,8 @@ class AdaSum(adasum.AdaSum):
             with tf.init_scope():
                 self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
         return self.combine_into(delta_weights, parameters, old_parameters)
+
+
+# The stages that options and levels make are these public classes (the same stages, callable too).
+registry.specialize(GradientAccumulation)
+registry.specialize(AdaSum)
