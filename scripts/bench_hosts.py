@@ -131,7 +131,8 @@ ROOT = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
-CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each")
+CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each",
+           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
     "keras_boost-fp16": {"compression": "float16"},
@@ -139,6 +140,9 @@ KERAS_BOOST_OPTIONS = {
     "keras_boost-adasum": {"adasum": True},
     # every gradient to Horovod as soon as the backward pass produces it (as Horovod's tape)
     "keras_boost-O0-each": {"gradient_split_groups": "each"},
+    # the same without the NaN guard (no finiteness check, no cond around the update), as the loop
+    "keras_boost-O0-each-noguard": {"gradient_split_groups": "each", "nan_guard": False},
+    "keras_boost-O0-noguard": {"nan_guard": False},
 }
 MODELS = ("demo", "resnet50-grad", "resnet50")
 # float32 gradient bytes per step (trainable parameters x 4), to decide which runs are slow.
