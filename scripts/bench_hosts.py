@@ -132,7 +132,7 @@ THIS = Path(__file__).resolve()
 MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
 CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each",
-           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard")
+           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "hvd-fit")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
     "keras_boost-fp16": {"compression": "float16"},
@@ -327,6 +327,43 @@ def worker_hvd_loop(args):
             "keras_boost_imported": any(m == "keras_boost" or m.startswith("keras_boost.") for m in sys.modules)}
 
 
+def worker_hvd_fit(args):
+    """Horovod's tape in a Keras 3 `train_step`, trained by `fit`: hvd-loop's step under Keras' loop (no keras_boost)."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    hvd.init()
+    base, shape, from_logits = build_model(args.model, keras.Model, plain=True)
+
+    class HorovodModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, [v.value for v in self.trainable_variables])
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    model = HorovodModel(base.inputs, base.outputs)
+    model.compile(optimizer=_optimizer(), loss=_keras_loss(from_logits))
+    model.optimizer.build(model.trainable_variables)
+
+    class Broadcast(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            hvd.broadcast_variables([v.value for v in model.variables] + [v.value for v in model.optimizer.variables],
+                                    root_rank=0)
+
+    x, y = synthetic_batch(shape, args.batch_size)
+    timer = _timer()
+    model.fit(batch_dataset(x, y), steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0,
+              callbacks=[Broadcast(), timer])
+    return {"status": "ok", "rank": hvd.rank(), "size": hvd.size(), "window": _window(timer.ends, args.warmup, args.steps),
+            "step_times": timer.times, "parameters": int(sum(int(v.numpy().size) for v in model.trainable_variables)),
+            "keras_boost_imported": any(m == "keras_boost" or m.startswith("keras_boost.") for m in sys.modules)}
+
+
 def worker_mwms(args):
     """tf.distribute.MultiWorkerMirroredStrategy with Keras 3, TF_CONFIG from the host list and the launcher's rank."""
     rank = _rank_from_env()
@@ -379,6 +416,8 @@ def worker(args):
     try:
         if args.worker == "hvd-loop":
             result = worker_hvd_loop(args)
+        elif args.worker == "hvd-fit":
+            result = worker_hvd_fit(args)
         elif args.worker == "mwms":
             result = worker_mwms(args)
         else:
