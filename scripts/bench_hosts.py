@@ -132,7 +132,8 @@ THIS = Path(__file__).resolve()
 MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
 CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each",
-           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "hvd-fit")
+           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "hvd-fit",
+           "hvd-fit-grouped")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
     "keras_boost-fp16": {"compression": "float16"},
@@ -327,8 +328,12 @@ def worker_hvd_loop(args):
             "keras_boost_imported": any(m == "keras_boost" or m.startswith("keras_boost.") for m in sys.modules)}
 
 
-def worker_hvd_fit(args):
-    """Horovod's tape in a Keras 3 `train_step`, trained by `fit`: hvd-loop's step under Keras' loop (no keras_boost)."""
+def worker_hvd_fit(args, grouped=False):
+    """Horovod's tape in a Keras 3 `train_step`, trained by `fit`: hvd-loop's step under Keras' loop (no keras_boost).
+
+    `grouped`: the gradients in one `hvd.grouped_allreduce` after the backward pass instead
+    (keras_boost's default pattern), with Horovod's own calls.
+    """
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
@@ -341,8 +346,11 @@ def worker_hvd_fit(args):
             x, y = data
             with tf.GradientTape() as tape:
                 loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-            tape = hvd.DistributedGradientTape(tape)
-            grads = tape.gradient(loss, [v.value for v in self.trainable_variables])
+            if grouped:
+                grads = hvd.grouped_allreduce(tape.gradient(loss, [v.value for v in self.trainable_variables]),
+                                              op=hvd.Average)
+            else:
+                grads = hvd.DistributedGradientTape(tape).gradient(loss, [v.value for v in self.trainable_variables])
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             return {"loss": loss}
 
@@ -416,8 +424,8 @@ def worker(args):
     try:
         if args.worker == "hvd-loop":
             result = worker_hvd_loop(args)
-        elif args.worker == "hvd-fit":
-            result = worker_hvd_fit(args)
+        elif args.worker in ("hvd-fit", "hvd-fit-grouped"):
+            result = worker_hvd_fit(args, grouped=args.worker == "hvd-fit-grouped")
         elif args.worker == "mwms":
             result = worker_mwms(args)
         else:
