@@ -133,7 +133,7 @@ MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
 CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each",
            "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "hvd-fit",
-           "hvd-fit-grouped")
+           "hvd-fit-grouped", "keras_boost-O0-static")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
     "keras_boost-fp16": {"compression": "float16"},
@@ -144,6 +144,8 @@ KERAS_BOOST_OPTIONS = {
     # the same without the NaN guard (no finiteness check, no cond around the update), as the loop
     "keras_boost-O0-each-noguard": {"gradient_split_groups": "each", "nan_guard": False},
     "keras_boost-O0-noguard": {"nan_guard": False},
+    # O0 with Horovod's dynamic process sets off (HOROVOD_DYNAMIC_PROCESS_SETS=0 before init)
+    "keras_boost-O0-static": {},
 }
 MODELS = ("demo", "resnet50-grad", "resnet50")
 # float32 gradient bytes per step (trainable parameters x 4), to decide which runs are slow.
@@ -263,6 +265,8 @@ def _optimizer():
 def worker_keras_boost(args):
     from keras_boost import distributed
 
+    if args.worker == "keras_boost-O0-static":
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "0"
     distributed.init()
     import keras_boost
 
