@@ -255,7 +255,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             why = "elastic training: workers that join later must run the same step"
         if why is not None:
             if distributed.rank() == 0:
-                print(f"keras_boost: {self.auto_boost.level}'s {', '.join(s.option for s in stages)} stay on "
+                verb = "stays" if len(stages) == 1 else "stay"
+                print(f"keras_boost: {self.auto_boost.level}'s {', '.join(s.option for s in stages)} {verb} on "
                       f"unmeasured: {why}", flush=True)
             object.__setattr__(self, "self_measurement", [])
             return None

@@ -120,6 +120,86 @@ def test_init_sets_the_variables_before_horovod_starts(clean_env, monkeypatch):
         distributed.init(cycle_time_ms=-1)
 
 
+# ------------------------------------------------------- dynamic process sets
+class _FakeSizedHorovod(_FakeHorovod):
+    """Also records HOROVOD_DYNAMIC_PROCESS_SETS at init; a launch of 4 workers, 2 per host."""
+
+    def init(self, **kwargs):
+        self.dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS")
+
+    def size(self):
+        return 4
+
+    def local_size(self):
+        return 2
+
+
+@pytest.fixture
+def fake_launch(clean_env, monkeypatch):
+    fake = _FakeSizedHorovod()
+    clean_env.setenv("KERAS_BOOST_PIN_GPU", "0")
+    for name, value in (("initialized", False), ("hvd", None), ("comm", None), ("horovod_env", None),
+                        ("process_sets_wanted", []), ("dynamic_process_sets", False),
+                        ("stall_timeout", distributed._state.stall_timeout)):
+        monkeypatch.setattr(distributed._state, name, value)
+    monkeypatch.setattr(distributed.runtime, "launched", lambda: True)
+    monkeypatch.setattr(distributed.runtime, "_import_horovod", lambda: fake)
+    import keras_boost.distributed.hosts as hosts
+
+    monkeypatch.setattr(hosts, "check_host_addresses", lambda: None)
+    return fake
+
+
+def test_horovod_starts_without_dynamic_process_sets_unless_a_stage_needs_them(fake_launch):
+    distributed.init()
+    assert fake_launch.dynamic == "0" and not distributed.dynamic_process_sets()
+    # compiled now, AdaSum over groups would register process sets at its first step: refused at compile
+    with pytest.raises(ValueError, match=r"AdaSum with groups of several workers .*distributed.init\(process_sets=True\)"):
+        AdaSum.from_option(AdaSum(device_number=2), None)
+    with pytest.raises(ValueError, match="the hierarchical allreduce registers Horovod process sets"):
+        HierarchicalAllreduce.from_option(True, None)
+    AdaSum.from_option(AdaSum(device_number=1), None)  # every worker its own group: no process set, no error
+    assert not distributed._state.process_sets_wanted
+    with pytest.raises(RuntimeError, match="without dynamic process sets; process_sets=True takes effect only"):
+        distributed.init(process_sets=True)
+
+
+def test_a_stage_made_before_horovod_starts_switches_dynamic_process_sets_on(fake_launch):
+    AdaSum(device_number=2)  # made, not compiled (a level's validation makes every stage): asks nothing
+    assert not distributed._state.process_sets_wanted
+    stage = AdaSum.from_option(AdaSum(device_number=2), None)  # compiled before anything starts Horovod
+    distributed.init()
+    assert fake_launch.dynamic == "1" and distributed.dynamic_process_sets() and stage.device_number == 2
+    assert HierarchicalAllreduce.from_option(True, None) is not None  # Horovod runs with them: fine
+
+
+@pytest.mark.parametrize("env, argument, expected", [
+    (None, True, "1"), ("1", None, "1"), ("yes", None, "1"), ("0", None, "0"), ("1", False, "0")])
+def test_the_argument_then_the_environment_decide(fake_launch, env, argument, expected):
+    if env is not None:
+        fake_launch_env = os.environ
+        fake_launch_env["HOROVOD_DYNAMIC_PROCESS_SETS"] = env
+    distributed.init(process_sets=argument)
+    assert fake_launch.dynamic == expected
+
+
+def test_process_sets_must_be_a_bool(clean_env):
+    with pytest.raises(TypeError, match=r"`process_sets` must be None or a bool \(True or False\), got 'yes' \(str\)"):
+        distributed.init(process_sets="yes")
+
+
+def test_keras_boost_train_asks_for_process_sets_when_the_run_needs_them():
+    import argparse
+
+    from keras_boost.app.training import needs_process_sets
+
+    def args(level, **extra):
+        return argparse.Namespace(level=level, config=None, **extra)
+
+    assert needs_process_sets(args("O2")) and not needs_process_sets(args("O1")) and not needs_process_sets(args("O0"))
+    assert needs_process_sets(args("O0", hierarchical_allreduce=True))
+
+
 def test_communication_reports_horovods_defaults_and_parses_like_it(clean_env):
     defaults = distributed.communication()
     assert defaults["fusion_threshold_bytes"] == 128 * 1024 * 1024 and defaults["fusion_threshold_mb"] == 128.0

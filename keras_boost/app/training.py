@@ -64,11 +64,20 @@ def _boost_config(args, updates):
     return config
 
 
+def needs_process_sets(args):
+    """Whether this run's stages register Horovod process sets (AdaSum, the hierarchical allreduce)."""
+    from keras_boost.config import BoostConfig
+
+    features = BoostConfig(args.level, read_config(args.config) if args.config else None).features
+    return bool(features.get("adasum") or getattr(args, "hierarchical_allreduce", False))
+
+
 def prepare(args):
     """Data shards for this worker, the BoostModel at the requested level, compiled."""
     # first: pins this worker's GPU before TensorFlow touches any; Horovod's fusion and cycle time
     distributed.init(fusion_threshold_mb=getattr(args, "fusion_threshold_mb", None),
-                     cycle_time_ms=getattr(args, "cycle_time_ms", None), autotune=getattr(args, "autotune", None))
+                     cycle_time_ms=getattr(args, "cycle_time_ms", None), autotune=getattr(args, "autotune", None),
+                     process_sets=needs_process_sets(args) or None)
     keras.config.set_dtype_policy(resolve_precision(args.precision, args.level))
     rank, size = distributed.rank(), distributed.size()
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed)

@@ -36,9 +36,11 @@ which values are in force (docs/communication.md).
 from keras_boost.distributed.runtime import (DEFAULT_STALL_TIMEOUT, HOROVOD_CYCLE_TIME_DEFAULT_MS,  # noqa: F401
                                              HOROVOD_FUSION_THRESHOLD_DEFAULT, STALL_TIMEOUT_ENV, _hvd,
                                              _stall_timeout_value, _state, boost_step_scope, communication,
-                                             communication_env, cross_rank, cross_size, horovod, in_boost_step, init,
+                                             communication_env, cross_rank, cross_size, dynamic_process_sets, horovod,
+                                             in_boost_step, init,
                                              is_distributed, is_homogeneous, launch_size, launched, local_rank,
-                                             local_size, rank, size, stall_check_seconds, stall_timeout)
+                                             local_size, rank, size, stall_check_seconds, stall_timeout,
+                                             want_process_sets)
 from keras_boost.distributed.gpu import gpu_for_worker, gpus, pin_gpu, pinned  # noqa: F401
 from keras_boost.distributed.collectives import (adasum_allreduce, add_process_set, allgather,  # noqa: F401
                                                  allgather_object, allreduce, allreduce_count, allreduce_each,

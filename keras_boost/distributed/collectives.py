@@ -8,7 +8,7 @@ counter that tests read (`count_collectives`, `allreduce_count`).
 
 import tensorflow as tf
 
-from keras_boost.distributed.runtime import _counter, _hvd, _state, horovod
+from keras_boost.distributed.runtime import _counter, _hvd, _state, horovod, want_process_sets
 
 
 def count_collectives(enabled=True):
@@ -224,6 +224,8 @@ def add_process_set(ranks):
     second registration), so several stages and models may share a process set.
     """
     hvd = horovod()
+    if not _state.dynamic_process_sets:
+        want_process_sets("a Horovod process set over ranks " + str(sorted(int(r) for r in ranks)))  # raises
     key = tuple(sorted(int(r) for r in ranks))
     known = _state.process_sets.get(key)
     if known is not None and known.process_set_id is not None:

@@ -42,6 +42,8 @@ class _State:
     comm = None  # the communicator given to init(comm=...)
     process_sets = {}  # sorted ranks -> the Horovod process set registered for them
     horovod_env = None  # the communication variables as hvd.init() read them
+    process_sets_wanted = []  # what asked for process sets before Horovod started (want_process_sets)
+    dynamic_process_sets = False  # whether Horovod runs with dynamic process sets
 
 
 _state = _State()
@@ -136,7 +138,7 @@ def communication_env(fusion_threshold_mb=None, cycle_time_ms=None, autotune=Non
 
 
 def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_ms=None, autotune=None,
-         autotune_log=None):
+         autotune_log=None, process_sets=None):
     """Initialises Horovod when launched by `horovodrun`/`mpirun` (or given `comm`); a no-op otherwise.
 
     Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
@@ -168,6 +170,14 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
             False switches a launcher's autotuning off.
         autotune_log: a CSV file where rank 0 logs the autotuning samples
             (`HOROVOD_AUTOTUNE_LOG`, `--autotune-log-file`).
+        process_sets: whether Horovod runs with dynamic process sets
+            (`HOROVOD_DYNAMIC_PROCESS_SETS`), which AdaSum over groups and the hierarchical
+            allreduce need: they register process sets after Horovod starts. They cost
+            every step: each Horovod cycle also agrees on the process-set table (on a
+            1 Gbit/s link, 2 hosts, the demo model: 650 against 767 images/s per worker,
+            docs/communication.md). None (default): on when `HOROVOD_DYNAMIC_PROCESS_SETS`
+            is set to 1 in the environment, or when such a stage was made before Horovod
+            started (`want_process_sets`); off otherwise. True / False: on / off.
 
     The communication options are checked at every call (`TypeError`/`ValueError`). None
     keeps what the launcher or the environment set. They take effect in the call that
@@ -177,7 +187,14 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
     """
     comm = _check_comm(comm)
     settings = communication_env(fusion_threshold_mb, cycle_time_ms, autotune, autotune_log)
+    if process_sets is not None and not isinstance(process_sets, bool):
+        raise TypeError(f"`process_sets` must be None or a bool (True or False), got {process_sets!r} "
+                        f"({type(process_sets).__name__}).")
     if _state.initialized:
+        if process_sets and _state.hvd is not None and not _state.dynamic_process_sets:
+            raise RuntimeError("Horovod is already initialised without dynamic process sets; process_sets=True "
+                               "takes effect only in the first init() call: call "
+                               "keras_boost.distributed.init(process_sets=True) first thing")
         if comm is not None and comm is not _state.comm and comm != _state.comm:
             raise RuntimeError("keras_boost.distributed is already initialised with another communicator; "
                                "call init(comm=...) once, before anything else uses keras_boost")
@@ -192,7 +209,8 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
     if launched() or comm is not None:
         os.environ.update(settings)  # before hvd.init(), which reads them
         _state.horovod_env = {name: os.environ.get(name) for name in _COMMUNICATION_VARIABLES}
-        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        _state.dynamic_process_sets = _dynamic_process_sets(process_sets)
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1" if _state.dynamic_process_sets else "0"
         if _state.stall_timeout > 0:  # set before hvd.init(), which reads them
             shutdown = max(1, int(round(_state.stall_timeout)))
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(shutdown)
@@ -369,3 +387,39 @@ def _counter():
         with tf.init_scope():
             _state.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_boost_collectives")
     return _state.counter
+
+
+def _dynamic_process_sets(asked):
+    """`init`'s decision: the argument, else the environment, else whether a stage asked."""
+    if asked is not None:
+        return asked
+    if "HOROVOD_DYNAMIC_PROCESS_SETS" in os.environ:
+        return os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"].strip().lower() in ("1", "true", "y", "yes", "on")
+    return bool(_state.process_sets_wanted)
+
+
+def want_process_sets(what):
+    """Called when a stage that registers Horovod process sets is made (AdaSum over groups,
+    the hierarchical allreduce): Horovod will start with dynamic process sets.
+
+    A no-op without a launcher. Raises ValueError when Horovod already runs without them,
+    naming `what` and the fix, so that the error comes when the stage is made, not at its
+    first step.
+    """
+    if not launched() and _state.comm is None:
+        return
+    if not _state.initialized:
+        if what not in _state.process_sets_wanted:
+            _state.process_sets_wanted.append(what)
+        return
+    if _state.hvd is not None and not _state.dynamic_process_sets:
+        raise ValueError(
+            f"{what} registers Horovod process sets after Horovod starts, and Horovod was started without "
+            "dynamic process sets (they cost every step, so keras_boost switches them on only when asked). Call "
+            "keras_boost.distributed.init(process_sets=True) at the start of the script (keras-boost train does "
+            "when the run asks for AdaSum or the hierarchical allreduce), or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
+
+
+def dynamic_process_sets():
+    """Whether Horovod runs with dynamic process sets (False without a launcher)."""
+    return bool(_state.initialized and _state.hvd is not None and _state.dynamic_process_sets)

@@ -288,6 +288,7 @@ class AdaSum(adasum.AdaSum):
     def __call__(self, delta_weights, parameters, old_parameters):
         """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
         if not self.built:
+            self.ask_for_process_sets()
             with tf.init_scope():
                 self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
         return self.combine_into(delta_weights, parameters, old_parameters)

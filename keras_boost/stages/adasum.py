@@ -87,7 +87,14 @@ class AdaSum(Stage):
         stage = cls() if value is True else super().from_option(value, model)
         if stage is not None:
             stage.check_launch()
+            stage.ask_for_process_sets()
         return stage
+
+    def ask_for_process_sets(self):
+        """When the stage will be used under a launcher: groups of several workers are Horovod
+        process sets, registered when the stage is built (`distributed.want_process_sets`)."""
+        if self.device_number != 1 and distributed.launch_size() != 1:
+            distributed.want_process_sets("AdaSum with groups of several workers (device_number != 1)")
 
     def check_launch(self):
         """At compile: a strict AdaSum whose device_number cannot fit this launch is a ValueError.
@@ -216,8 +223,11 @@ class AdaSum(Stage):
         params = boost_config.params
         if not validate and not boost_config.features["adasum"]:
             return None
-        return cls(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"],
-                   strict=not validate and "adasum" in getattr(boost_config, "explicit", ()))
+        stage = cls(device_number=params["common"]["device_number"], backend=params["adasum"]["backend"],
+                    strict=not validate and "adasum" in getattr(boost_config, "explicit", ()))
+        if not validate:
+            stage.ask_for_process_sets()
+        return stage
 
     def get_config(self):
         return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend,

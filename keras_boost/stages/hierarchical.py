@@ -68,12 +68,13 @@ class HierarchicalAllreduce(Stage):
     @classmethod
     def from_option(cls, value, model):
         """`compile(hierarchical_allreduce=...)`: None/False, True or a HierarchicalAllreduce."""
-        if value is None or isinstance(value, HierarchicalAllreduce):
-            return value
-        if not isinstance(value, bool):
+        if not (value is None or isinstance(value, (bool, HierarchicalAllreduce))):
             raise TypeError(f"`hierarchical_allreduce` must be None, a bool (True or False) or a "
                             f"HierarchicalAllreduce, got {value!r} ({type(value).__name__}).")
-        return cls() if value else None
+        stage = cls() if value is True else (value or None)
+        if stage is not None and distributed.launch_size() != 1:
+            distributed.want_process_sets("the hierarchical allreduce")  # its host groups are process sets
+        return stage
 
     # ------------------------------------------------------------- topology
     def groups(self):

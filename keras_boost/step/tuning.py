@@ -98,7 +98,8 @@ class SelfMeasurement(keras.callbacks.Callback):
             self._told = True
             names = ", ".join(s.option for s in self.stages)
             timed = {b: len(t) for b, t in sorted(self.times.items())}
-            print(f"keras_boost: the level's {names} stay on: this fit ran too few steps to time them (timed "
+            verb = "stays" if len(self.stages) == 1 else "stay"
+            print(f"keras_boost: the level's {names} {verb} on: this fit ran too few steps to time them (timed "
                   f"{timed} steps per branch, needed {self._needed()}); the next fit goes on timing", flush=True)
 
     def _decide(self, branches):

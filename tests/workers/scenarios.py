@@ -27,9 +27,18 @@ from common import write_result
 from keras_boost import distributed
 
 
+# the scenarios whose stages register Horovod process sets (distributed.init(process_sets=...))
+NEEDS_PROCESS_SETS = {"adasum_training", "hierarchical"}
+
+
 def main():
     found = {}
-    for name, module, args in json.loads(sys.argv[1]):
+    scenarios = json.loads(sys.argv[1])
+    # Horovod starts once for all of them (in the first scenario that needs it, mindspore_config
+    # must come before): with dynamic process sets when one of them needs them
+    if any(module in NEEDS_PROCESS_SETS for _, module, _ in scenarios):
+        distributed.want_process_sets("the scenarios " + ", ".join(sorted(NEEDS_PROCESS_SETS)))
+    for name, module, args in scenarios:
         print(f"scenarios: {name} starts at {time.time():.2f}", flush=True)
         start = time.monotonic()
         try:
