@@ -30,7 +30,10 @@ program.
 
 `init(fusion_threshold_mb=..., cycle_time_ms=..., autotune=...)` sets Horovod's tensor
 fusion, cycle time and autotuning before `hvd.init()` reads them; `communication()` says
-which values are in force (docs/communication.md).
+which values are in force (docs/communication.md). Horovod's dynamic process sets, which
+AdaSum over groups and the hierarchical allreduce need and which slow every step, are on
+only when such a stage was compiled before Horovod started or `init(process_sets=True)`
+asks (`want_process_sets`, `dynamic_process_sets`).
 """
 
 from keras_boost.distributed.runtime import (DEFAULT_STALL_TIMEOUT, HOROVOD_CYCLE_TIME_DEFAULT_MS,  # noqa: F401
