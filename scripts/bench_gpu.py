@@ -103,7 +103,8 @@ def main(argv=None):
     parser.add_argument("--deadline", type=float, default=None,
                         help="Unix time after which no new configuration starts (marked 'skipped: time')")
     args = parser.parse_args(argv)
-    distributed.init()  # pins this worker's GPU first
+    # pins this worker's GPU first; O2's AdaSum groups are Horovod process sets
+    distributed.init(process_sets=True if "O2" in args.runners else None)
     runners = [r for r in args.runners if not (r == "keras" and distributed.size() > 1)]
     table = Table(args) if distributed.rank() == 0 else None
     for precision in args.precisions:

@@ -267,7 +267,7 @@ def worker_keras_boost(args):
 
     if args.worker == "keras_boost-O0-static":
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "0"
-    distributed.init()
+    distributed.init(process_sets=True if args.worker == "keras_boost-adasum" else None)  # AdaSum's groups
     import keras_boost
 
     model, shape, from_logits = build_model(args.model, keras_boost.BoostModel, plain=False)
