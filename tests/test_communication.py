@@ -176,9 +176,8 @@ def test_a_stage_made_before_horovod_starts_switches_dynamic_process_sets_on(fak
 @pytest.mark.parametrize("env, argument, expected", [
     (None, True, "1"), ("1", None, "1"), ("yes", None, "1"), ("0", None, "0"), ("1", False, "0")])
 def test_the_argument_then_the_environment_decide(fake_launch, env, argument, expected):
-    if env is not None:
-        fake_launch_env = os.environ
-        fake_launch_env["HOROVOD_DYNAMIC_PROCESS_SETS"] = env
+    if env is not None:  # clean_env (under fake_launch) restores the variable after the test
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = env
     distributed.init(process_sets=argument)
     assert fake_launch.dynamic == expected
 
