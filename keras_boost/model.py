@@ -195,6 +195,15 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
     # ------------------------------------------------------ worker agreement
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
+        try:
+            return self._fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+        finally:
+            from keras_boost.step.dispatch import BranchTrainFunction
+
+            if isinstance(getattr(self, "train_function", None), BranchTrainFunction):
+                self.train_function.finish_tracing()  # the freeze groups' steps traced in the background
+
+    def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.distributed import dropin
         from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback, NonFiniteGuard
 

@@ -292,6 +292,17 @@ BREAKS = (
           "        os.environ.update(settings)  # before hvd.init(), which reads them",
           "        pass",
           ("tests/test_communication.py::test_init_sets_the_variables_before_horovod_starts",)),
+    Break("groups_not_traced_ahead", "the freeze groups' steps are traced only when each group first trains",
+          "keras_boost/step/dispatch.py",
+          "        ahead = [b for b in self.model.boost_step.branches_ahead() if b != branch and b not in self._on_iterator]\n",
+          "        ahead = []\n",
+          ("tests/test_freeze_step.py::test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come",)),
+    Break("trace_numbering_shared_by_threads", "two threads tracing at once number their collectives from one counter",
+          "keras_boost/distributed/runtime.py",
+          "class _Tracing(threading.local):\n",
+          "class _Tracing:\n",
+          ("tests/test_distributed.py::test_collective_names_count_per_trace_whatever_another_thread_traces",
+           "tests/test_distributed.py::test_the_boost_step_scope_is_per_thread")),
 )
 
 

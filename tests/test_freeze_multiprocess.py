@@ -15,6 +15,9 @@ def test_freeze_training_agrees_across_workers(controller):
     assert len(set(first["groups"])) >= 3 and 0 in first["groups"]  # full and frozen steps
     assert first["digest"] == second["digest"]  # bit-identical trainable weights
     assert first["history"] == second["history"]
+    # the groups after the first were traced in the background on both workers (their
+    # collectives named alike whichever thread traced them, or the steps would not pair)
+    assert first["traced_ahead"] and second["traced_ahead"]
     assert first["iterations"] == second["iterations"] == 18
     # one fused allreduce per update (only the group's gradients), plus the epoch-log averages
     assert first["collectives"] == second["collectives"] == 18

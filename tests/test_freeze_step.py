@@ -6,6 +6,7 @@ accumulation, the pruned backward pass (counted in the traced graph) and bad inp
 """
 
 import collections
+import threading
 
 import keras
 import numpy as np
@@ -237,16 +238,76 @@ def test_each_branch_is_traced_once_over_many_steps():
     assert set(counts.values()) == {1}
 
 
+def _traced_by_thread(model):
+    """[(group, name of the thread that traced its step)], in the order the traces began."""
+    step = model.boost_step
+    traced, branch = [], step._branch
+
+    def recording_branch(indices, *args):
+        traced.append((indices, threading.current_thread().name))
+        return branch(indices, *args)
+
+    step._branch = recording_branch
+    return traced
+
+
 def test_the_first_step_compiles_only_its_own_group():
     model = deep_mlp()
     optimizer = keras.optimizers.SGD(0.05)
     model.compile(optimizer=optimizer, loss=LOSS,
                   gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [2, 2, 0, 1]))
+    model.make_train_function().trace_ahead = False
     x, y = classification_data(n=32, seed=3)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert model.train_function.traced_groups() == [2]  # steps 0 and 1 both train group 2
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert model.train_function.traced_groups() == [2, 0, 1]
+    assert model.train_function.traced_ahead == []
+
+
+def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
+    """The first step traces its own group; a background thread traces the others, in sequence order."""
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05)
+    groups = split_parameters_groups(model, 3)
+    model.compile(optimizer=optimizer, loss=LOSS, gradient_freeze=FreezeOpt(optimizer, groups, [2, 2, 0, 1]))
+    traced = _traced_by_thread(model)
+    seen = []
+
+    class AfterTheFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.model.train_function._tracer.join(timeout=120)  # let the thread finish
+                seen.extend(traced)
+
+    x, y = classification_data(n=16 * 4, seed=3)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[AfterTheFirstStep()])
+    index = {tuple(model.boost_step.freeze.group_indices[g]): g for g in range(3)}
+    by = [(index[tuple(indices)], thread) for indices, thread in seen]
+    assert by == [(2, "MainThread"), (0, "keras_boost-trace-groups"), (1, "keras_boost-trace-groups")]
+    assert model.train_function.traced_ahead == [0, 1]
+    assert len(traced) == 3  # steps 2 and 3 ran the traces made ahead: nothing traced again
+    assert set(model.train_function.tracing_counts().values()) == {1}
+    assert model.train_function._tracer is None  # fit ended it
+
+
+def test_tracing_ahead_gives_the_same_training():
+    """Traced ahead or on first use, the groups' steps are the same graphs: bit-identical weights."""
+    results = []
+    for ahead in (True, False):
+        model = deep_mlp()
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(optimizer=optimizer, loss=LOSS,
+                      gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [1, 0, 2, 2, 0]))
+        model.make_train_function().trace_ahead = ahead
+        x, y = classification_data(n=16 * 12, seed=5)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        results.append((weights(model), history.history, model.train_function.traced_ahead))
+    (w1, h1, ahead1), (w2, h2, ahead2) = results
+    assert ahead2 == [] and ahead1 and set(ahead1) <= {0, 2}
+    assert h1 == h2
+    for a, b in zip(w1, w2):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_per_group_functions_equal_the_switch_case_step():

@@ -30,7 +30,8 @@ index lists of the variables each branch trains and a selector; nothing in the c
 ties the branches to one `tf.switch_case`. When it also answers `upcoming_branch()` (and a
 window stage `steps_to_boundary()`), `BoostModel.fit` compiles one function per branch, when
 the branch is first needed, and picks it from Python between steps
-(`keras_boost.step.dispatch`); `enter_branch(branch)` then runs inside that branch's step.
+(`keras_boost.step.dispatch`); `enter_branch(branch)` then runs inside that branch's step. `branches_ahead()` lets it
+trace the branches still to come in the background while the first ones train.
 """
 
 import dataclasses
@@ -159,6 +160,12 @@ class Stage:
         row train it. None when the stage cannot say (the step then falls back to its selector).
         """
         return None
+
+    def branches_ahead(self):
+        """For a `select_branch` owner: the branches the coming updates train, each once, in the
+        order they first come (Python ints); empty when the stage cannot say. The train function
+        traces them ahead, in the background (`keras_boost.step.dispatch`)."""
+        return []
 
     def enter_branch(self, branch):
         """For a `select_branch` owner, inside the compiled step of `branch` (a Python int)."""

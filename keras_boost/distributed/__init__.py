@@ -12,10 +12,13 @@ imported, so a plain `python train.py` costs nothing extra and works even where 
 is not installed. Under a launcher, `init()` initialises `horovod.tensorflow`; the broken
 Keras bindings (`horovod.tensorflow.keras`, `horovod.keras`) are never used.
 
-Collectives are named by their position since the start of the trace being built (Horovod
-pairs the workers' tensors by name), so the names do not depend on how often a worker
-traced: a worker that joins an elastic job traces once more than the others. Elastic
-training restarts the numbering when the workers re-form (`restart_collective_names`).
+Collectives are named by their position since the start of the trace being built, in
+the thread that builds it (Horovod pairs the workers' tensors by name), so the names do
+not depend on how often a worker traced, nor on what other threads trace meanwhile: a
+worker that joins an elastic job traces once more than the others, and the freeze
+groups' steps are traced in the background. Eager collectives are numbered apart
+(`keras_boost.eager.*`), from the last restart, which elastic training makes when the
+workers re-form (`restart_collective_names`).
 
 When counting is switched on (`count_collectives(True)`, or the environment variable
 `KERAS_BOOST_COUNT_COLLECTIVES=1` before the first step is traced), every collective a

@@ -8,7 +8,7 @@ counter that tests read (`count_collectives`, `allreduce_count`).
 
 import tensorflow as tf
 
-from keras_boost.distributed.runtime import _counter, _hvd, _state, horovod, want_process_sets
+from keras_boost.distributed.runtime import _counter, _hvd, _state, _tracing, horovod, want_process_sets
 
 
 def count_collectives(enabled=True):
@@ -35,28 +35,35 @@ def _count(outputs):
 
 
 def _name(prefix):
-    """`keras_boost.<prefix>.<n>`: n counts from the last restart of the numbering.
+    """`keras_boost.<prefix>.<n>` inside a trace, `keras_boost.eager.<prefix>.<n>` outside one.
 
-    Horovod pairs the workers' tensors by name. The numbering restarts at the start of every
-    trace of the train step (`start_trace`), whatever a worker traced before, and when
-    elastic training re-forms the workers (`restart_collective_names`), so a worker that
-    just joined and the survivors name their collectives alike.
+    Horovod pairs the workers' tensors by name. Inside a trace, n counts from the start of
+    the train step's trace (`start_trace`), in the thread that traces it, whatever a worker
+    traced before and whatever other threads trace meanwhile: a worker that joins an
+    elastic job traces once more than the others, and the freeze groups' steps are traced
+    in the background (`keras_boost.step.dispatch`). Eager collectives count apart, from the
+    last restart of their numbering (`restart_collective_names`, which elastic training
+    calls on every worker when the workers re-form), so they do not depend on which thread
+    traced what.
     """
+    if tf.inside_function():
+        _tracing.op_index += 1
+        return f"keras_boost.{prefix}.{_tracing.op_index}"
     _state.op_index += 1
-    return f"keras_boost.{prefix}.{_state.op_index}"
+    return f"keras_boost.eager.{prefix}.{_state.op_index}"
 
 
 def start_trace():
-    """Restarts the numbering once per traced graph (call at the start of the train step)."""
+    """Restarts this thread's numbering once per traced graph (call at the start of the train step)."""
     if tf.inside_function():
         graph = tf.compat.v1.get_default_graph()
         if graph not in _state.names:  # once per trace, even with steps_per_execution > 1
             _state.names[graph] = True
-            _state.op_index = 0
+            _tracing.op_index = 0
 
 
 def restart_collective_names():
-    """Restarts the numbering; elastic training calls it on every worker when the workers re-form."""
+    """Restarts the eager numbering; elastic training calls it on every worker when the workers re-form."""
     _state.op_index = 0
 
 

@@ -9,6 +9,7 @@ story); the other modules of the package read `_state`.
 import numbers
 import contextlib
 import os
+import threading
 import re
 import weakref
 
@@ -37,8 +38,7 @@ class _State:
     counter = None  # tf.Variable counting collectives run inside compiled steps (when counting)
     counting = os.environ.get("KERAS_BOOST_COUNT_COLLECTIVES", "") == "1"
     names = weakref.WeakKeyDictionary()  # the traces whose collectives were numbered
-    op_index = 0  # collectives named since the last restart
-    boost_step_depth = 0  # > 0 while the boost step is traced (it averages by itself)
+    op_index = 0  # eager collectives named since the last restart
     comm = None  # the communicator given to init(comm=...)
     process_sets = {}  # sorted ranks -> the Horovod process set registered for them
     horovod_env = None  # the communication variables as hvd.init() read them
@@ -367,18 +367,26 @@ def is_distributed():
     return size() > 1
 
 
+class _Tracing(threading.local):
+    boost_step_depth = 0  # > 0 while this thread traces the boost step (it averages by itself)
+    op_index = 0  # collectives this thread named since the start of the trace it builds
+
+
+_tracing = _Tracing()  # per thread: the freeze groups' steps are traced in the background
+
+
 @contextlib.contextmanager
 def boost_step_scope():
-    """Marks the tracing of the boost step, whose optimizer calls must not average again."""
-    _state.boost_step_depth += 1
+    """Marks the tracing of the boost step (in this thread), whose optimizer calls must not average again."""
+    _tracing.boost_step_depth += 1
     try:
         yield
     finally:
-        _state.boost_step_depth -= 1
+        _tracing.boost_step_depth -= 1
 
 
 def in_boost_step():
-    return _state.boost_step_depth > 0
+    return _tracing.boost_step_depth > 0
 
 
 def _counter():

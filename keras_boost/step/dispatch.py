@@ -13,7 +13,18 @@ returns the last step's logs; an exhausted iterator raises as Keras' own functio
 With `steps_per_execution` > 1, consecutive steps of the same group run inside one compiled
 call (a `tf.while_loop` over `steps`, traced once per group), so it still saves Python
 round trips.
+
+The first group's step is traced when `fit` first runs it; a background thread then traces
+the other groups' steps, in the order the sequence reaches them, while the first steps
+compile and run (tracing is Python, and TensorFlow's own compilation and the steps run
+without holding Python's lock, so the two overlap). A group reached before its trace is
+done waits for it, as it would have traced it itself; what is left of the tracing when
+`fit` ends is abandoned at the next group (the next call traces ahead again). A trace
+that fails in the background is left to the group's first step, which traces again and
+raises there.
 """
+
+import threading
 
 import tensorflow as tf
 
@@ -27,19 +38,31 @@ class BranchTrainFunction:
         model: the compiled `BoostModel`.
         jit_compile: whether each group's step is compiled with XLA (the model's resolved
             `jit_compile`, or False on many workers, as for the single-branch step).
+        trace_ahead: trace the other groups' steps in a background thread once the first
+            group's step is traced (default True).
     """
 
-    def __init__(self, model, jit_compile):
+    def __init__(self, model, jit_compile, trace_ahead=True):
         self.model = model
         self.jit_compile = bool(jit_compile)
+        self.trace_ahead = bool(trace_ahead)
         self._on_data = {}
         self._on_iterator = {}
+        self._making = threading.RLock()  # one function per group, whichever thread asks first
+        self._tracer = None  # the thread tracing the groups ahead
+        self._ahead_started = False
+        self._stop = threading.Event()
+        self.traced_ahead = []  # the groups whose step the background thread traced, in order
         self._built = False
         self._fallback = None  # Keras' own train function, when the branches cannot be planned
 
     # ------------------------------------------------------------ compiled parts
     def _step_on_data(self, branch):
         """One step of `branch` on one batch (Keras' `one_step_on_data`), compiled once."""
+        with self._making:
+            return self._make_step_on_data(branch)
+
+    def _make_step_on_data(self, branch):
         if branch not in self._on_data:
             model = self.model
 
@@ -150,7 +173,10 @@ class BranchTrainFunction:
         outputs, remaining = None, limit
         while remaining > 0:
             branch, steps = step.next_branch(remaining)
-            logs, done = self._steps_on_iterator(branch)(iterator, tf.constant(steps, tf.int32))
+            function = self._steps_on_iterator(branch)
+            if not self._ahead_started and self.trace_ahead and not model.run_eagerly:
+                self._start_tracing(function, iterator, branch)
+            logs, done = function(iterator, tf.constant(steps, tf.int32))
             done = int(done)
             if done:
                 outputs = logs
@@ -160,6 +186,40 @@ class BranchTrainFunction:
         if outputs is None:
             raise StopIteration  # nothing left at all: Keras ends the epoch
         return outputs
+
+    # ------------------------------------------------------- tracing ahead
+    def _start_tracing(self, function, iterator, branch):
+        """Traces `branch`'s step here, then starts the thread that traces the groups ahead."""
+        steps = tf.TensorSpec([], tf.int32)
+        spec = getattr(iterator, "_type_spec", None) or iterator
+        function.get_concrete_function(spec, steps)  # before the thread: this step needs it now
+        ahead = [b for b in self.model.boost_step.branches_ahead() if b != branch and b not in self._on_iterator]
+        self._ahead_started = True
+        if not ahead:
+            return
+        self._stop.clear()
+        self._tracer = threading.Thread(target=self._trace, args=(ahead, spec, steps), daemon=True,
+                                        name="keras_boost-trace-groups")
+        self._tracer.start()
+
+    def _trace(self, branches, spec, steps):
+        for branch in branches:
+            if self._stop.is_set():
+                return
+            try:
+                self._steps_on_iterator(branch).get_concrete_function(spec, steps)
+            except Exception:  # noqa: BLE001 - the group's first step traces again and raises there
+                return
+            self.traced_ahead.append(branch)
+
+    def finish_tracing(self):
+        """Stops tracing ahead at the next group and waits for the current one (`fit` calls it at its end)."""
+        tracer, self._tracer = self._tracer, None
+        if tracer is None:
+            return
+        self._stop.set()
+        tracer.join()
+        self._ahead_started = False  # the next call traces what is still ahead
 
     def _build(self, data_or_spec):
         """Builds the model and the boost step before the first step (the groups come from the variables)."""

@@ -165,6 +165,10 @@ class BoostStep:
         first, per_update = window
         return branch, max(1, min(limit, first + (updates - 1) * per_update))
 
+    def branches_ahead(self):
+        """The branches the coming updates train, each once, in the order they first come (Python ints)."""
+        return self._with("select_branch")[0].branches_ahead()
+
     def _train_step(self, data, branch=None):
         distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -88,7 +88,7 @@ def run():
                 iterations=int(model.optimizer.iterations.numpy()),
                 collectives=distributed.allreduce_count() - collectives_before,
                 frozen_untouched=recorder.frozen_untouched, trained_moved=recorder.trained_moved,
-                frozen_counts=recorder.frozen_counts,
+                frozen_counts=recorder.frozen_counts, traced_ahead=model.train_function.traced_ahead,
                 finite=bool(all(np.isfinite(w).all() for w in trainable)))
 
 

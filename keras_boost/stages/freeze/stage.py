@@ -100,6 +100,14 @@ class FreezeStage(Stage):
             updates += 1
         return group, updates
 
+    def branches_ahead(self):
+        """The groups of one period of the sequence from where it stands, each once, in the order they come."""
+        if not self.is_on():
+            return []
+        schedule = np.roll(np.asarray(self.plan.schedule), -(int(self.position.numpy()) % self.plan.period))
+        _, first = np.unique(schedule, return_index=True)
+        return [int(schedule[i]) for i in sorted(first)]
+
     def enter_branch(self, branch):
         """Inside the compiled step of group `branch`: checks the sequence agrees, records the group."""
         expected = self._scheduled()
