@@ -26,6 +26,7 @@ Configurations (`--configs`):
     O0, O1, O2   BoostModel(boost_level=...) with the level's defaults (keras_boost's)
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
     O1-fixed     O1 without self-measurement (every stage of the level stays on)
+    O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     O0-scale-fixed, O0-scale-dynamic
                  O0 with loss scaling (FixedLossScale(1024), DynamicLossScale()) in float32
@@ -68,6 +69,7 @@ CONFIGS = {
     "O2": ("O2", None),
     "O1-mindspore": ("O1", MINDSPORE_DEFAULTS),
     "O1-fixed": ("O1", {"boost": {"measure": False}}),
+    "O1-noahead": ("O1", None),  # KERAS_BOOST_TRACE_AHEAD=0: each freeze group traced when it first trains
     "O0-noguard": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
@@ -173,6 +175,8 @@ def build(family, config, seed=0):
             model.compile(optimizer=FreezeOpt(optimizer, groups, [group]), loss=loss, metrics=["accuracy"])
         return model
     level, boost_config = CONFIGS[config]
+    if config == "O1-noahead":
+        os.environ["KERAS_BOOST_TRACE_AHEAD"] = "0"
     if level == "keras":
         model = keras.Model(base.inputs, base.outputs)
     else:

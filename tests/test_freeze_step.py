@@ -291,6 +291,19 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
     assert model.train_function._tracer is None  # fit ended it
 
 
+def test_trace_ahead_is_read_from_the_environment(monkeypatch):
+    from keras_boost.step.dispatch import BranchTrainFunction
+
+    model = deep_mlp()
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "0")
+    assert BranchTrainFunction(model, False).trace_ahead is False
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "1")
+    assert BranchTrainFunction(model, False).trace_ahead is True
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "yes")
+    with pytest.raises(ValueError, match=r"KERAS_BOOST_TRACE_AHEAD must be '1'.*'0'.*got 'yes'"):
+        BranchTrainFunction(model, False)
+
+
 def test_tracing_ahead_gives_the_same_training():
     """Traced ahead or on first use, the groups' steps are the same graphs: bit-identical weights."""
     results = []

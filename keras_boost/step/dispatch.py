@@ -21,9 +21,11 @@ without holding Python's lock, so the two overlap). A group reached before its t
 done waits for it, as it would have traced it itself; what is left of the tracing when
 `fit` ends is abandoned at the next group (the next call traces ahead again). A trace
 that fails in the background is left to the group's first step, which traces again and
-raises there.
+raises there. `KERAS_BOOST_TRACE_AHEAD=0` traces each group's step when the group first
+trains instead.
 """
 
+import os
 import threading
 
 import tensorflow as tf
@@ -39,13 +41,14 @@ class BranchTrainFunction:
         jit_compile: whether each group's step is compiled with XLA (the model's resolved
             `jit_compile`, or False on many workers, as for the single-branch step).
         trace_ahead: trace the other groups' steps in a background thread once the first
-            group's step is traced (default True).
+            group's step is traced. None (the default) reads the environment variable
+            `KERAS_BOOST_TRACE_AHEAD` ("1", the default, or "0").
     """
 
-    def __init__(self, model, jit_compile, trace_ahead=True):
+    def __init__(self, model, jit_compile, trace_ahead=None):
         self.model = model
         self.jit_compile = bool(jit_compile)
-        self.trace_ahead = bool(trace_ahead)
+        self.trace_ahead = _trace_ahead_from_env() if trace_ahead is None else bool(trace_ahead)
         self._on_data = {}
         self._on_iterator = {}
         self._making = threading.RLock()  # one function per group, whichever thread asks first
@@ -237,6 +240,14 @@ class BranchTrainFunction:
 
             with without_jit_for_collectives(model):
                 self._fallback = _keras_compat.make_keras_train_function(model, model.train_step)
+
+
+def _trace_ahead_from_env():
+    value = os.environ.get("KERAS_BOOST_TRACE_AHEAD", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"KERAS_BOOST_TRACE_AHEAD must be '1' (trace the freeze groups' steps in the background, "
+                         f"the default) or '0' (each when its group first trains), got {value!r}")
+    return value == "1"
 
 
 def _quiet(function):
