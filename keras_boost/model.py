@@ -160,6 +160,26 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     # ----------------------------------------------------------------- steps
+    # The freeze groups' steps may be traced in a background thread (`step/dispatch.py`);
+    # Keras' per-layer call state (the `add_loss` lists) allows one caller at a time.
+    def __call__(self, *args, **kwargs):
+        from keras_boost.step.dispatch import KERAS_LOCK
+
+        with KERAS_LOCK:
+            return super().__call__(*args, **kwargs)
+
+    def test_step(self, data):
+        from keras_boost.step.dispatch import KERAS_LOCK
+
+        with KERAS_LOCK:
+            return super().test_step(data)
+
+    def predict_step(self, data):
+        from keras_boost.step.dispatch import KERAS_LOCK
+
+        with KERAS_LOCK:
+            return super().predict_step(data)
+
     def train_step(self, data):
         return self.branch_train_step(data, None)
 

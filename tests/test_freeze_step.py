@@ -276,8 +276,11 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
 
     class AfterTheFirstStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 0:
-                self.model.train_function._tracer.join(timeout=120)  # let the thread finish
+            if batch == 0:  # let the thread finish (it traces while the main thread is "in a step")
+                function = self.model.train_function
+                function._in_step.set()
+                function._tracer.join(timeout=120)
+                function._in_step.clear()
                 seen.extend(traced)
 
     x, y = classification_data(n=16 * 4, seed=3)
@@ -289,6 +292,45 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
     assert len(traced) == 3  # steps 2 and 3 ran the traces made ahead: nothing traced again
     assert set(model.train_function.tracing_counts().values()) == {1}
     assert model.train_function._tracer is None  # fit ended it
+
+
+def test_the_model_waits_for_a_trace_of_the_background_thread():
+    """Keras clears a model's `add_loss` lists at every top-level call: while the background
+    thread traces a group's step, a call of the model from the main thread waits for it."""
+    import time
+
+    bg_inside, release, order = threading.Event(), threading.Event(), []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            if threading.current_thread().name == "keras_boost-trace-groups" and not bg_inside.is_set():
+                bg_inside.set()
+                assert release.wait(60)
+                order.append("background trace done")
+            self.add_loss(1e-3 * keras.ops.mean(keras.ops.square(x)))  # an activity loss, as regularizers add
+            return x
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    hidden = Probe()(keras.layers.Dense(16, activation="relu")(hidden))
+    model = BoostModel(inputs, keras.layers.Dense(4)(hidden))
+    optimizer = keras.optimizers.SGD(0.05)
+    model.compile(optimizer=optimizer, loss=LOSS,
+                  gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [0, 1, 2]))
+    x, y = classification_data(n=16 * 3, seed=3)
+
+    class CallAfterTheFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                assert bg_inside.wait(60)
+                threading.Timer(0.5, release.set).start()
+                start = time.perf_counter()
+                self.model(x[:2])
+                order.append(f"main call done after {time.perf_counter() - start:.1f} s")
+
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[CallAfterTheFirstStep()])
+    assert order[0] == "background trace done" and order[1].startswith("main call done"), order
+    assert model.train_function.traced_ahead[0] == 1
 
 
 def test_trace_ahead_is_read_from_the_environment(monkeypatch):

@@ -17,12 +17,16 @@ round trips.
 The first group's step is traced when `fit` first runs it; a background thread then traces
 the other groups' steps, in the order the sequence reaches them, while the first steps
 compile and run (tracing is Python, and TensorFlow's own compilation and the steps run
-without holding Python's lock, so the two overlap). A group reached before its trace is
-done waits for it, as it would have traced it itself; what is left of the tracing when
-`fit` ends is abandoned at the next group (the next call traces ahead again). A trace
-that fails in the background is left to the group's first step, which traces again and
-raises there. `KERAS_BOOST_TRACE_AHEAD=0` traces each group's step when the group first
-trains instead.
+without holding Python's lock, so the two overlap). Keras keeps per-layer Python state
+while a model is called (the `add_loss` lists, which every top-level call clears), so
+two threads must not call one model at once: every trace of a group's step holds
+`KERAS_LOCK`, and so do `BoostModel.__call__`, `test_step` and `predict_step`; the
+background thread starts a trace only while `fit`'s main thread is inside a compiled
+step. A group reached before its trace is done waits for it, as it would have traced it
+itself; what is left of the tracing when `fit` ends is abandoned at the next group (the
+next call traces ahead again). A trace that fails in the background is left to the
+group's first step, which traces again and raises there. `KERAS_BOOST_TRACE_AHEAD=0`
+traces each group's step when the group first trains instead.
 """
 
 import os
@@ -31,6 +35,9 @@ import threading
 import tensorflow as tf
 
 from keras_boost import _keras_compat
+
+# Held while a BoostModel is traced or called outside its compiled train step (re-entrant).
+KERAS_LOCK = threading.RLock()
 
 
 class BranchTrainFunction:
@@ -55,6 +62,8 @@ class BranchTrainFunction:
         self._tracer = None  # the thread tracing the groups ahead
         self._ahead_started = False
         self._stop = threading.Event()
+        self._in_step = threading.Event()  # set while the main thread runs a compiled step
+        self._traced = set()  # the groups whose `_steps_on_iterator` function is traced
         self.traced_ahead = []  # the groups whose step the background thread traced, in order
         self._built = False
         self._fallback = None  # Keras' own train function, when the branches cannot be planned
@@ -177,9 +186,13 @@ class BranchTrainFunction:
         while remaining > 0:
             branch, steps = step.next_branch(remaining)
             function = self._steps_on_iterator(branch)
-            if not self._ahead_started and self.trace_ahead and not model.run_eagerly:
-                self._start_tracing(function, iterator, branch)
-            logs, done = function(iterator, tf.constant(steps, tf.int32))
+            if branch not in self._traced and not model.run_eagerly:
+                self._trace_here(function, iterator, branch)
+            self._in_step.set()
+            try:
+                logs, done = function(iterator, tf.constant(steps, tf.int32))
+            finally:
+                self._in_step.clear()
             done = int(done)
             if done:
                 outputs = logs
@@ -191,28 +204,39 @@ class BranchTrainFunction:
         return outputs
 
     # ------------------------------------------------------- tracing ahead
-    def _start_tracing(self, function, iterator, branch):
-        """Traces `branch`'s step here, then starts the thread that traces the groups ahead."""
+    def _trace_here(self, function, iterator, branch):
+        """Traces `branch`'s step in this thread; after the first, starts tracing the groups ahead."""
         steps = tf.TensorSpec([], tf.int32)
         spec = getattr(iterator, "_type_spec", None) or iterator
-        function.get_concrete_function(spec, steps)  # before the thread: this step needs it now
-        ahead = [b for b in self.model.boost_step.branches_ahead() if b != branch and b not in self._on_iterator]
+        with KERAS_LOCK:  # waits for a trace of the background thread
+            function.get_concrete_function(spec, steps)
+            self._traced.add(branch)
+        if self._ahead_started or not self.trace_ahead:
+            return
         self._ahead_started = True
+        ahead = [b for b in self.model.boost_step.branches_ahead() if b not in self._traced]
         if not ahead:
             return
         self._stop.clear()
-        self._tracer = threading.Thread(target=self._trace, args=(ahead, spec, steps), daemon=True,
+        self._tracer = threading.Thread(target=self._trace_ahead, args=(ahead, spec, steps), daemon=True,
                                         name="keras_boost-trace-groups")
         self._tracer.start()
 
-    def _trace(self, branches, spec, steps):
+    def _trace_ahead(self, branches, spec, steps):
         for branch in branches:
+            while not self._in_step.wait(0.05):  # a trace starts while the main thread runs a step
+                if self._stop.is_set():
+                    return
             if self._stop.is_set():
                 return
-            try:
-                self._steps_on_iterator(branch).get_concrete_function(spec, steps)
-            except Exception:  # noqa: BLE001 - the group's first step traces again and raises there
-                return
+            with KERAS_LOCK:
+                if branch in self._traced:  # the main thread got there first
+                    continue
+                try:
+                    self._steps_on_iterator(branch).get_concrete_function(spec, steps)
+                except Exception:  # noqa: BLE001 - the group's first step traces again and raises there
+                    return
+                self._traced.add(branch)
             self.traced_ahead.append(branch)
 
     def finish_tracing(self):
