@@ -106,6 +106,27 @@ def symbolic_batch(data_or_spec):
     return tf.nest.map_structure(leaf, data_or_spec)
 
 
+# Keras' global settings that a trace reads, kept per thread (`keras.src.backend.common.global_state`):
+# the global dtype policy, and the seed behind unseeded `keras.random` calls.
+_THREAD_SETTINGS = ("dtype_policy", "global_random_seed", "global_seed_generator")
+
+
+def thread_settings():
+    """This thread's Keras global settings that a trace reads (a new thread starts without them)."""
+    from keras.src.backend.common import global_state
+
+    return {name: global_state.get_global_attribute(name) for name in _THREAD_SETTINGS}
+
+
+def adopt_thread_settings(settings):
+    """Gives this thread the settings `thread_settings()` read in another one."""
+    from keras.src.backend.common import global_state
+
+    for name, value in settings.items():
+        if value is not None:
+            global_state.set_global_attribute(name, value)
+
+
 def autoconvert_optionals(model, step_function):
     """Keras' wrapper that turns `tf.experimental.Optional` leaves of a batch into None.
 

@@ -18,6 +18,8 @@ def test_freeze_training_agrees_across_workers(controller):
     # the groups after the first were traced in the background on both workers (their
     # collectives named alike whichever thread traced them, or the steps would not pair)
     assert first["traced_ahead"] and second["traced_ahead"]
+    # and set up on an empty iterator, one worker at a time: no collective ran there
+    assert first["set_up_ahead"] and second["set_up_ahead"]
     assert first["iterations"] == second["iterations"] == 18
     # one fused allreduce per update (only the group's gradients), plus the epoch-log averages
     assert first["collectives"] == second["collectives"] == 18

@@ -289,6 +289,9 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
     by = [(index[tuple(indices)], thread) for indices, thread in seen]
     assert by == [(2, "MainThread"), (0, "keras_boost-trace-groups"), (1, "keras_boost-trace-groups")]
     assert model.train_function.traced_ahead == [0, 1]
+    # each also ran once on an empty iterator (set up, no step): 4 updates, the position at 0
+    assert model.train_function.set_up_ahead == [0, 1]
+    assert int(model.optimizer.iterations.numpy()) == 4 and int(model.boost_step.freeze.position.numpy()) == 0
     assert len(traced) == 3  # steps 2 and 3 ran the traces made ahead: nothing traced again
     assert set(model.train_function.tracing_counts().values()) == {1}
     assert model.train_function._tracer is None  # fit ended it
@@ -331,6 +334,37 @@ def test_the_model_waits_for_a_trace_of_the_background_thread():
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[CallAfterTheFirstStep()])
     assert order[0] == "background trace done" and order[1].startswith("main call done"), order
     assert model.train_function.traced_ahead[0] == 1
+
+
+def test_the_background_thread_traces_with_fits_dtype_policy_and_seed():
+    """Keras keeps the global dtype policy and random seed per thread; the groups traced
+    ahead see the ones fit's thread has, as a trace on that thread would."""
+    from keras.src.utils import rng_utils
+
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append((threading.current_thread().name, keras.config.dtype_policy().name,
+                         rng_utils.get_random_seed()))
+            return x
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((8,))
+        hidden = Probe()(keras.layers.Dense(16, activation="relu")(inputs))
+        model = BoostModel(inputs, keras.layers.Dense(4, dtype="float32")(hidden))
+        optimizer = keras.optimizers.SGD(0.05)
+        model.compile(optimizer=optimizer, loss=LOSS,
+                      gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 2), [0, 1]))
+        x, y = classification_data(n=16 * 6, seed=3)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    traced = [entry for entry in seen if entry[0] == "keras_boost-trace-groups"]
+    assert model.train_function.traced_ahead == [1] and traced
+    assert {entry[1:] for entry in seen} == {("mixed_bfloat16", 7)}
 
 
 def test_trace_ahead_is_read_from_the_environment(monkeypatch):

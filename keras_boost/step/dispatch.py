@@ -25,8 +25,11 @@ background thread starts a trace only while `fit`'s main thread is inside a comp
 step. A group reached before its trace is done waits for it, as it would have traced it
 itself; what is left of the tracing when `fit` ends is abandoned at the next group (the
 next call traces ahead again). A trace that fails in the background is left to the
-group's first step, which traces again and raises there. `KERAS_BOOST_TRACE_AHEAD=0`
-traces each group's step when the group first trains instead.
+group's first step, which traces again and raises there. After each trace, the thread
+runs the group's function once on an empty iterator of the data's type: no step runs,
+but TensorFlow optimises and sets up the graph then, not at the group's first step.
+`KERAS_BOOST_TRACE_AHEAD=0` traces each group's step when the group first trains
+instead.
 """
 
 import os
@@ -65,6 +68,9 @@ class BranchTrainFunction:
         self._in_step = threading.Event()  # set while the main thread runs a compiled step
         self._traced = set()  # the groups whose `_steps_on_iterator` function is traced
         self.traced_ahead = []  # the groups whose step the background thread traced, in order
+        self.set_up_ahead = []  # the groups whose step it also ran on an empty iterator (`_set_up`)
+        self._empty = None  # that iterator (False: none of the data's type can be made)
+        self._element_spec = None
         self._built = False
         self._fallback = None  # Keras' own train function, when the branches cannot be planned
 
@@ -214,15 +220,19 @@ class BranchTrainFunction:
         if self._ahead_started or not self.trace_ahead:
             return
         self._ahead_started = True
+        self._element_spec = getattr(iterator, "element_spec", None)
         ahead = [b for b in self.model.boost_step.branches_ahead() if b not in self._traced]
         if not ahead:
             return
         self._stop.clear()
-        self._tracer = threading.Thread(target=self._trace_ahead, args=(ahead, spec, steps), daemon=True,
+        self._tracer = threading.Thread(target=self._trace_ahead,
+                                        args=(ahead, spec, steps, _keras_compat.thread_settings()), daemon=True,
                                         name="keras_boost-trace-groups")
         self._tracer.start()
 
-    def _trace_ahead(self, branches, spec, steps):
+    def _trace_ahead(self, branches, spec, steps, settings):
+        # Keras keeps the global dtype policy and random seed per thread: this one traces with fit's.
+        _keras_compat.adopt_thread_settings(settings)
         for branch in branches:
             while not self._in_step.wait(0.05):  # a trace starts while the main thread runs a step
                 if self._stop.is_set():
@@ -233,11 +243,50 @@ class BranchTrainFunction:
                 if branch in self._traced:  # the main thread got there first
                     continue
                 try:
-                    self._steps_on_iterator(branch).get_concrete_function(spec, steps)
+                    with self.model.distribute_strategy.scope():  # as Keras' fit traces (thread-local too)
+                        self._steps_on_iterator(branch).get_concrete_function(spec, steps)
                 except Exception:  # noqa: BLE001 - the group's first step traces again and raises there
                     return
                 self._traced.add(branch)
             self.traced_ahead.append(branch)
+            if self._stop.is_set():
+                return
+            try:
+                self._set_up(branch, spec)
+            except Exception:  # noqa: BLE001 - the group's first step sets it up, and raises there
+                return
+
+    def _set_up(self, branch, spec):
+        """Runs `branch`'s traced function once on an empty iterator of the same type.
+
+        No step runs (without a batch the step's `tf.cond` is not taken: no variable, no
+        collective, no freeze position is touched), but TensorFlow optimises and sets up the
+        whole graph on this first call, which the group's first real step then does not.
+        """
+        empty = self._empty_iterator(spec)
+        if empty is None:
+            return
+        function = self._steps_on_iterator(branch)
+        _, done = function(empty, tf.constant(1, tf.int32))
+        if int(done) != 0:  # pragma: no cover - an empty iterator yields nothing
+            raise AssertionError(f"the empty run of freeze group {branch}'s step ran {int(done)} steps")
+        self.set_up_ahead.append(branch)
+
+    def _empty_iterator(self, spec):
+        """An iterator of `spec`'s type that yields nothing, or None for a type it cannot make."""
+        if self._empty is None:
+            element_spec = self._element_spec
+            empty = False
+            if element_spec is not None:
+                try:
+                    dataset = tf.data.Dataset.from_generator(lambda: iter(()), output_signature=element_spec)
+                    iterator = iter(dataset)
+                    if iterator._type_spec == spec:
+                        empty = iterator
+                except (TypeError, ValueError):  # a type from_generator cannot produce
+                    pass
+            self._empty = empty
+        return self._empty or None
 
     def finish_tracing(self):
         """Stops tracing ahead at the next group and waits for the current one (`fit` calls it at its end)."""

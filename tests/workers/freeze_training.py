@@ -89,6 +89,7 @@ def run():
                 collectives=distributed.allreduce_count() - collectives_before,
                 frozen_untouched=recorder.frozen_untouched, trained_moved=recorder.trained_moved,
                 frozen_counts=recorder.frozen_counts, traced_ahead=model.train_function.traced_ahead,
+                set_up_ahead=model.train_function.set_up_ahead,
                 finite=bool(all(np.isfinite(w).all() for w in trainable)))
 
 
