@@ -25,9 +25,10 @@ background thread starts a trace only while `fit`'s main thread is inside a comp
 step. A group reached before its trace is done waits for it, as it would have traced it
 itself; what is left of the tracing when `fit` ends is abandoned at the next group (the
 next call traces ahead again). A trace that fails in the background is left to the
-group's first step, which traces again and raises there. After each trace, the thread
-runs the group's function once on an empty iterator of the data's type: no step runs,
-but TensorFlow optimises and sets up the graph then, not at the group's first step.
+group's first step, which traces again and raises there. Once every group is traced, the
+thread runs each group's function that has not run yet once on an empty iterator of the
+data's type: no step runs, but TensorFlow optimises and sets up the graph then, not at
+the group's first step.
 `KERAS_BOOST_TRACE_AHEAD=0` traces each group's step when the group first trains
 instead.
 """
@@ -67,6 +68,7 @@ class BranchTrainFunction:
         self._stop = threading.Event()
         self._in_step = threading.Event()  # set while the main thread runs a compiled step
         self._traced = set()  # the groups whose `_steps_on_iterator` function is traced
+        self._ran = set()  # the groups whose function has run on the epoch's data
         self.traced_ahead = []  # the groups whose step the background thread traced, in order
         self.set_up_ahead = []  # the groups whose step it also ran on an empty iterator (`_set_up`)
         self._empty = None  # that iterator (False: none of the data's type can be made)
@@ -199,6 +201,7 @@ class BranchTrainFunction:
                 logs, done = function(iterator, tf.constant(steps, tf.int32))
             finally:
                 self._in_step.clear()
+            self._ran.add(branch)
             done = int(done)
             if done:
                 outputs = logs
@@ -233,6 +236,9 @@ class BranchTrainFunction:
     def _trace_ahead(self, branches, spec, steps, settings):
         # Keras keeps the global dtype policy and random seed per thread: this one traces with fit's.
         _keras_compat.adopt_thread_settings(settings)
+        # Every trace first (Python, which only this thread can do while fit's thread runs
+        # steps), then the set-ups (TensorFlow's own work, without Python's lock: fit's thread
+        # sets up a group it reaches first itself, on the other core).
         for branch in branches:
             while not self._in_step.wait(0.05):  # a trace starts while the main thread runs a step
                 if self._stop.is_set():
@@ -249,8 +255,11 @@ class BranchTrainFunction:
                     return
                 self._traced.add(branch)
             self.traced_ahead.append(branch)
+        for branch in branches:
             if self._stop.is_set():
                 return
+            if branch in self._ran or branch not in self._traced:
+                continue
             try:
                 self._set_up(branch, spec)
             except Exception:  # noqa: BLE001 - the group's first step sets it up, and raises there
