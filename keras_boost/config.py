@@ -13,7 +13,7 @@ Configuration (a dict, or the path of a JSON file), with MindSpore's sections an
 
     {"boost": {"mode": "auto" | "manual" | "enable_all" | "disable_all",
                "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool,
-               "measure": bool},
+               "measure": bool, "fused_update": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
      "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
@@ -35,6 +35,10 @@ steps of `fit` and are switched off, with one printed line giving the numbers, w
 do not pay on this model and launch (`keras_boost.step.tuning`). A feature whose section
 the configuration gives (`"grad_freeze": {...}`, `"less_bn": {...}`) keeps what it says, so
 `MINDSPORE_DEFAULTS` is MindSpore's fixed O1; `"measure": False` fixes every feature.
+
+Fused update (keras_boost's; `"boost": {"fused_update": True}` by default wherever the level
+or mode switches a feature on): Keras' SGD/Adam/AdamW update runs as TensorFlow's fused
+training kernels (`keras_boost.optimizers.fused`), as MindSpore's optimizers are kernels.
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -131,6 +135,8 @@ class BoostConfig:
         params: every section with its defaults filled in.
         measure: whether the level's freezing and centralization measure themselves in
             `fit` (see `measured`).
+        fused_update: whether the step applies the optimizer's update with TensorFlow's fused
+            kernels (default: whether any feature is on).
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
     checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
@@ -144,12 +150,14 @@ class BoostConfig:
         config = read_config(boost_config)
         _check_keys("<top level>", config, SECTIONS)
         boost = config.get("boost", {})
-        _check_keys("boost", boost, ("mode", "measure", *FEATURES, *UNSUPPORTED_FEATURES))
+        _check_keys("boost", boost, ("mode", "measure", "fused_update", *FEATURES, *UNSUPPORTED_FEATURES))
         self.mode = boost.get("mode", "auto")
         self.measure = _check_bool("boost_config['boost']['measure']", boost.get("measure", True))
         if self.mode not in MODES:
             raise ValueError(f"The boost mode must be in {list(MODES)}, but got {self.mode!r}")
         self.features = self._features(boost)
+        self.fused_update = _check_bool("boost_config['boost']['fused_update']",
+                                        boost.get("fused_update", any(self.features.values())))
         self.params = copy.deepcopy(DEFAULTS)
         for section, defaults in DEFAULTS.items():
             given = config.get(section, {})
@@ -162,7 +170,7 @@ class BoostConfig:
 
     def _features(self, boost):
         switches = {k: _check_bool(f"boost_config['boost'][{k!r}]", v) for k, v in boost.items()
-                    if k not in ("mode", "measure")}
+                    if k not in ("mode", "measure", "fused_update")}
         enabled_unsupported = [k for k in UNSUPPORTED_FEATURES if switches.get(k)]
         if enabled_unsupported:
             raise ValueError(f"{enabled_unsupported} are MindSpore features that keras_boost does not provide; "

@@ -27,7 +27,9 @@ Configurations (`--configs`):
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
     O1-fixed     O1 without self-measurement (every stage of the level stays on)
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
+    O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
+    O0-fused     O0 with compile(fused_update=True): the optimizer's update through TensorFlow's fused kernels
     O0-scale-fixed, O0-scale-dynamic
                  O0 with loss scaling (FixedLossScale(1024), DynamicLossScale()) in float32
     O1-nogc      O1-mindspore without gradient centralization
@@ -70,7 +72,9 @@ CONFIGS = {
     "O1-mindspore": ("O1", MINDSPORE_DEFAULTS),
     "O1-fixed": ("O1", {"boost": {"measure": False}}),
     "O1-noahead": ("O1", None),  # KERAS_BOOST_TRACE_AHEAD=0: each freeze group traced when it first trains
+    "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
     "O0-noguard": ("O0", None),
+    "O0-fused": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
     "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
@@ -88,6 +92,7 @@ def compile_options(config):
     from keras_boost import DynamicLossScale, FixedLossScale
 
     return {"O0-noguard": lambda: {"nan_guard": False},
+            "O0-fused": lambda: {"fused_update": True},
             "O0-scale-fixed": lambda: {"loss_scale": FixedLossScale(1024.0)},
             "O0-scale-dynamic": lambda: {"loss_scale": DynamicLossScale()}}.get(config, dict)()
 

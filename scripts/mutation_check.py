@@ -318,6 +318,21 @@ BREAKS = (
           "class _Tracing:\n",
           ("tests/test_distributed.py::test_collective_names_count_per_trace_whatever_another_thread_traces",
            "tests/test_distributed.py::test_the_boost_step_scope_is_per_thread")),
+    Break("fused_update_not_entered", "the step never enters the fused update's kernels (Keras' update runs)",
+          "keras_boost/stages/fused_update.py",
+          "        return fused_kernels(optimizer)\n",
+          "        return contextlib.nullcontext()\n",
+          ("tests/test_fused_update.py::test_the_step_updates_with_one_kernel_per_variable",)),
+    Break("fused_nesterov_ignored", "the momentum kernel ignores Nesterov",
+          "keras_boost/stages/fused_update.py",
+          "use_nesterov=bool(optimizer.nesterov))",
+          "use_nesterov=False)",
+          ("tests/test_fused_update.py::test_kernels_give_keras_update",)),
+    Break("fused_adam_step_count_off", "Adam's kernel takes beta^t one step late (t = iterations, not iterations + 1)",
+          "keras_boost/stages/fused_update.py",
+          "local_step = tf.cast(optimizer.iterations + 1, dtype)",
+          "local_step = tf.cast(optimizer.iterations, dtype)",
+          ("tests/test_fused_update.py::test_kernels_give_keras_update",)),
 )
 
 

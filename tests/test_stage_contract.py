@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras_boost import AdaSum, BoostModel, DynamicLossScale, FixedLossScale, GradientAccumulation
 from keras_boost import GradientCentralization, GradientFreeze
 from keras_boost.stages.freeze import FreezeStage
+from keras_boost.stages.fused_update import FusedUpdate
 from keras_boost.stages.nan_guard import NanGuard
 from keras_boost.step import Stage, registry
 from tests.helpers import classification_data, mlp, weights
@@ -111,6 +112,7 @@ def test_register_rejects_a_non_stage_and_an_unnamed_stage():
     GradientCentralization(min_channels_multiple=4),
     AdaSum(device_number=1, backend="exact"),
     NanGuard(),
+    FusedUpdate(strict=False),
 ], ids=lambda s: type(s).__name__)
 def test_every_builtin_stage_round_trips_its_config(stage):
     restored = registry.deserialize(registry.serialize(stage))

@@ -14,7 +14,8 @@ A boost step is a loop over stages at fixed hook points (see docs/architecture.m
     -> agree_finite      (finite)                      AdaSum: all groups agree
     -> should_skip       (finite)                      loss scale, NaN guard: one decision for all workers
     -> transform         (grads, variables)            gradient centralization
-    -> apply_update      (optimizer, grads, variables) default: optimizer.apply; AdaSum: local step + combine
+    -> apply_update      (optimizer, grads, variables) default: optimizer.apply; AdaSum: local step + combine,
+                                                       inside every `around_update(optimizer)` context (fused update: kernels)
     -> after_update      ()                            freeze: advance the sequence
     -> logs              ()
 
@@ -34,6 +35,7 @@ the branch is first needed, and picks it from Python between steps
 trace the branches still to come in the background while the first ones train.
 """
 
+import contextlib
 import dataclasses
 
 import tensorflow as tf
@@ -67,7 +69,7 @@ class Window:
 
 
 HOOKS = ("scale_loss", "local_gradients", "window", "encode", "reduce", "decode", "agree_finite", "should_skip",
-         "transform", "apply_update", "after_update", "select_branch", "logs")
+         "transform", "around_update", "apply_update", "after_update", "select_branch", "logs")
 SINGLE_HOOKS = ("window", "reduce", "apply_update", "select_branch")
 
 
@@ -101,6 +103,9 @@ class Stage:
 
     def build(self, context):
         """Creates the stage's state from `context` (eager, once)."""
+
+    def check_optimizer(self, optimizer):
+        """Raises `TypeError`/`ValueError` at `compile` when the stage cannot work with `optimizer`."""
 
     # -------------------------------------------------------------- hooks
     def scale_loss(self, loss):
@@ -140,6 +145,10 @@ class Stage:
 
     def transform(self, grads, variables):
         return grads
+
+    def around_update(self, optimizer):
+        """A context manager the step enters around `apply_update` (e.g. the fused update's kernels)."""
+        return contextlib.nullcontext()
 
     def apply_update(self, optimizer, grads, variables):
         optimizer.apply(grads, variables)

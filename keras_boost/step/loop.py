@@ -9,7 +9,7 @@
     -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
        "each": every gradient to Horovod as soon as it exists) -> decode
     -> [agree_finite -> should_skip: one decision, identical on every worker]
-    -> transform -> apply_update (default: optimizer.apply) -> after_update -> logs
+    -> transform -> [around_update: fused kernels] apply_update (default: optimizer.apply) -> after_update -> logs
 
 With several branches (gradient freezing), `BoostModel.fit` and the standalone step compile
 one function per branch, when it is first needed, and choose it from Python between steps
@@ -19,6 +19,7 @@ branch's graph holds only its own forward and backward pass. Inside a caller's o
 runs. Either way the backward pass through the frozen prefix is never computed.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -86,6 +87,8 @@ class BoostStep:
         self.split_points = _validation.check_split_points(gradient_split_groups)
         self.stages = registry.make_stages(options, model, extra=[_check_stage(s) for s in stages],
                                            defaults={"gradient_split_groups": gradient_split_groups})
+        for stage in self.stages:
+            stage.check_optimizer(optimizer)
         for hook in SINGLE_HOOKS:
             owners = [type(s).__name__ for s in self.stages if s.overrides(hook)]
             if len(owners) > 1:
@@ -279,7 +282,10 @@ class BoostStep:
         grads = [tf.identity(g) for g in grads]
         for stage in self._with("transform"):
             grads = stage.transform(grads, variables)
-        self._with("apply_update")[0].apply_update(self.optimizer, grads, variables)
+        with contextlib.ExitStack() as around:
+            for stage in self._with("around_update"):
+                around.enter_context(stage.around_update(self.optimizer))
+            self._with("apply_update")[0].apply_update(self.optimizer, grads, variables)
 
 
 def _check_stage(stage):

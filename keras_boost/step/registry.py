@@ -187,6 +187,7 @@ BUILTIN = (
     ("freeze", "FreezeStage", ()),
     ("centralization", "GradientCentralization", ()),
     ("clipping", "GradientClipping", ()),
+    ("fused_update", "FusedUpdate", ()),
     ("adasum", "AdaSum", ()),
     ("compression", "GradientCompression", ()),
     ("hierarchical", "HierarchicalAllreduce", ()),
