@@ -28,6 +28,7 @@ Configurations (`--configs`):
     O1-fixed     O1 without self-measurement (every stage of the level stays on)
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
+    O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     O0-fused     O0 with compile(fused_update=True): the optimizer's update through TensorFlow's fused kernels
     O0-scale-fixed, O0-scale-dynamic
@@ -73,6 +74,7 @@ CONFIGS = {
     "O1-fixed": ("O1", {"boost": {"measure": False}}),
     "O1-noahead": ("O1", None),  # KERAS_BOOST_TRACE_AHEAD=0: each freeze group traced when it first trains
     "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
+    "O1-nofreeze": ("O1", O1_NO_FREEZE),
     "O0-noguard": ("O0", None),
     "O0-fused": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),

@@ -47,6 +47,7 @@ def test_train_single_process_with_level_and_checkpoint(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 1 and summary["level"] == "O1"
     assert summary["batchnorms_removed"] == "5 of 9" and summary["overflows"] == 0
+    assert summary["fused_update"] is True  # the level's fused update, on the CLI's SGD with momentum
     # 3 updates of MindSpore's O1 schedule [0, 3, 0, ...]: one of three steps frozen
     assert summary["frozen_step_share"] == expected_frozen_share(3, **MINDSPORE_DEFAULTS["grad_freeze"]) == 0.333
     assert (tmp_path / "model.weights.h5").exists()

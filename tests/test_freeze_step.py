@@ -20,6 +20,12 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 # --------------------------------------------------------------------------- models
+@pytest.fixture(autouse=True)
+def _trace_ahead_on(monkeypatch):
+    """The background tracing these tests check, whatever the cores of the machine (`spare_core`)."""
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "1")
+
+
 def deep_mlp(model_class=BoostModel, seed=0):
     """Three Dense layers, no BatchNorm: three blocks, so groups [all, last two, last one]."""
     keras.utils.set_random_seed(seed)
@@ -368,7 +374,7 @@ def test_the_background_thread_traces_with_fits_dtype_policy_and_seed():
 
 
 def test_trace_ahead_is_read_from_the_environment(monkeypatch):
-    from keras_boost.step.dispatch import BranchTrainFunction
+    from keras_boost.step.dispatch import BranchTrainFunction, spare_core
 
     model = deep_mlp()
     monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "0")
@@ -376,8 +382,23 @@ def test_trace_ahead_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "1")
     assert BranchTrainFunction(model, False).trace_ahead is True
     monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "yes")
-    with pytest.raises(ValueError, match=r"KERAS_BOOST_TRACE_AHEAD must be '1'.*'0'.*got 'yes'"):
+    with pytest.raises(ValueError, match=r"KERAS_BOOST_TRACE_AHEAD must be 'auto'.*'1'.*'0'.*got 'yes'"):
         BranchTrainFunction(model, False)
+    monkeypatch.delenv("KERAS_BOOST_TRACE_AHEAD")  # the default: "auto"
+    assert BranchTrainFunction(model, False).trace_ahead is spare_core()
+
+
+def test_trace_ahead_by_default_only_with_a_spare_core(monkeypatch):
+    """Two cores or more per worker of the host: one process on 2 cores yes, 2 workers on 2 cores no."""
+    from keras_boost import distributed
+    from keras_boost.step import dispatch
+
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "auto")
+    for cores, workers, expected in ((2, 1, True), (2, 2, False), (1, 1, False), (32, 4, True), (7, 4, False)):
+        monkeypatch.setattr(dispatch.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setattr(distributed, "local_size", lambda n=workers: n)
+        assert dispatch.spare_core() is expected, (cores, workers)
+        assert dispatch.BranchTrainFunction(deep_mlp(), False).trace_ahead is expected
 
 
 def test_tracing_ahead_gives_the_same_training():

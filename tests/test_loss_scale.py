@@ -194,3 +194,11 @@ def test_all_finite_sees_every_non_finite_entry_and_no_false_alarm():
     assert bool(all_finite([tf.fill([100], tf.constant(60000.0, tf.float16))]))
     assert not bool(all_finite([tf.constant([1.0, np.nan], tf.float16)]))
     assert bool(all_finite([]))
+    # many gradients whose values total beyond float32's limit: no false alarm; an inf or NaN in any is seen
+    smalls = [tf.fill([50], 3e36) for _ in range(5)]  # 7.5e38 together: finite, beyond float32's limit
+    assert bool(all_finite([*smalls, tf.ones([70000])]))
+    for position in range(5):
+        bad = list(smalls)
+        bad[position] = tf.tensor_scatter_nd_update(bad[position], [[7]], [np.inf if position % 2 else np.nan])
+        assert not bool(all_finite([*bad, tf.ones([70000])]))
+        assert not bool(tf.function(all_finite)([*bad, tf.ones([70000])]))

@@ -104,7 +104,7 @@ def prepare(args):
 
 
 def boost_report(model):
-    """What the boost did: BatchNorms removed, share of frozen steps, overflows."""
+    """What the boost did: BatchNorms removed, share of frozen steps, overflows, fused update."""
     step = model.boost_step
     report = {"level": model.auto_boost.level if model.auto_boost else "O0",
               "precision": keras.config.dtype_policy().name}
@@ -120,6 +120,8 @@ def boost_report(model):
         report["overflows"] = int(step.loss_scale.overflow_count.numpy())
     if step.adasum is not None:
         report["adasum_combine"] = step.adasum.combine_backend or "none (one group)"
+    if step.fused_update is not None:
+        report["fused_update"] = step.fused_update.fused
     return report
 
 

@@ -68,8 +68,8 @@ class FusedUpdate(Stage):
         if reason is None:
             return
         if self.strict:
-            raise ValueError(f"`fused_update=True`, but {reason}; pass fused_update=False, or use one of those "
-                             "optimizers.")
+            raise ValueError(f"`fused_update=True`, but {reason}; pass fused_update=False, or use "
+                             "keras.optimizers.SGD, Adam or AdamW (without amsgrad).")
         warnings.warn(f"keras_boost: the boost level's fused update is off: {reason}; Keras' update is used.",
                       UserWarning, stacklevel=4)
 

@@ -29,8 +29,12 @@ group's first step, which traces again and raises there. Once every group is tra
 thread runs each group's function that has not run yet once on an empty iterator of the
 data's type: no step runs, but TensorFlow optimises and sets up the graph then, not at
 the group's first step.
-`KERAS_BOOST_TRACE_AHEAD=0` traces each group's step when the group first trains
-instead.
+The thread needs a core that the steps leave free: it runs where this process has at
+least two cores per worker on its host (`os.sched_getaffinity`, Horovod's `local_size`).
+Two workers on two cores have none to spare, and there tracing ahead made EfficientNetB0's
+first epoch longer (45.5 against 41.8 s, docs/benchmarks.md). `KERAS_BOOST_TRACE_AHEAD`
+says otherwise: `1` traces ahead always, `0` never (each group's step is traced when the
+group first trains), `auto` (the default) by the rule above.
 """
 
 import os
@@ -53,7 +57,8 @@ class BranchTrainFunction:
             `jit_compile`, or False on many workers, as for the single-branch step).
         trace_ahead: trace the other groups' steps in a background thread once the first
             group's step is traced. None (the default) reads the environment variable
-            `KERAS_BOOST_TRACE_AHEAD` ("1", the default, or "0").
+            `KERAS_BOOST_TRACE_AHEAD`: "auto" (the default: where each worker of this host
+            has two cores or more, `spare_core`), "1" or "0".
     """
 
     def __init__(self, model, jit_compile, trace_ahead=None):
@@ -325,11 +330,20 @@ class BranchTrainFunction:
 
 
 def _trace_ahead_from_env():
-    value = os.environ.get("KERAS_BOOST_TRACE_AHEAD", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"KERAS_BOOST_TRACE_AHEAD must be '1' (trace the freeze groups' steps in the background, "
-                         f"the default) or '0' (each when its group first trains), got {value!r}")
-    return value == "1"
+    value = os.environ.get("KERAS_BOOST_TRACE_AHEAD", "auto").strip()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"KERAS_BOOST_TRACE_AHEAD must be 'auto' (trace the freeze groups' steps in the background "
+                         f"where a core is free for it, the default), '1' (always) or '0' (never: each when its "
+                         f"group first trains), got {value!r}")
+    return spare_core() if value == "auto" else value == "1"
+
+
+def spare_core():
+    """Whether this process has a core its steps leave free: two or more per worker on this host."""
+    from keras_boost import distributed
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * max(1, distributed.local_size())
 
 
 def _quiet(function):
