@@ -38,7 +38,7 @@ the configuration gives (`"grad_freeze": {...}`, `"less_bn": {...}`) keeps what 
 
 Fused update (keras_boost's; `"boost": {"fused_update": True}` by default wherever the level
 or mode switches a feature on): Keras' SGD/Adam/AdamW update runs as TensorFlow's fused
-training kernels (`keras_boost.optimizers.fused`), as MindSpore's optimizers are kernels.
+training kernels (`keras_boost.stages.fused_update`), as MindSpore's optimizers are kernels.
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
