@@ -309,7 +309,7 @@ BREAKS = (
           ("tests/test_freeze_step.py::test_the_background_thread_traces_with_fits_dtype_policy_and_seed",)),
     Break("groups_not_set_up_ahead", "the groups traced ahead are not run on an empty iterator: their first step sets them up",
           "keras_boost/step/dispatch.py",
-          "                self._set_up(branch, spec)\n",
+          "                self._set_up(branch, spec, element_spec)\n",
           "                pass\n",
           ("tests/test_freeze_step.py::test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come",)),
     Break("trace_numbering_shared_by_threads", "two threads tracing at once number their collectives from one counter",

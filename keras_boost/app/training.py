@@ -12,6 +12,7 @@ from keras_boost.app import data
 from keras_boost.config import read_config
 from keras_boost.distributed.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
+from keras_boost.stages.fused_update import why_not_fused
 from keras_boost.app.demo_net import demo_resnet
 from keras_boost.precision import resolve_precision
 
@@ -121,7 +122,7 @@ def boost_report(model):
     if step.adasum is not None:
         report["adasum_combine"] = step.adasum.combine_backend or "none (one group)"
     if step.fused_update is not None:
-        report["fused_update"] = step.fused_update.fused
+        report["fused_update"] = why_not_fused(step.optimizer) is None
     return report
 
 

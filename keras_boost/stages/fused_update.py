@@ -45,7 +45,6 @@ class FusedUpdate(Stage):
 
     def __init__(self, strict=True):
         self.strict = check_bool("strict", strict)
-        self.fused = True
 
     @classmethod
     def from_option(cls, value, model):
@@ -64,7 +63,6 @@ class FusedUpdate(Stage):
 
     def check_optimizer(self, optimizer):
         reason = why_not_fused(optimizer)
-        self.fused = reason is None
         if reason is None:
             return
         if self.strict:

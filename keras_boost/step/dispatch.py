@@ -77,7 +77,6 @@ class BranchTrainFunction:
         self.traced_ahead = []  # the groups whose step the background thread traced, in order
         self.set_up_ahead = []  # the groups whose step it also ran on an empty iterator (`_set_up`)
         self._empty = None  # that iterator (False: none of the data's type can be made)
-        self._element_spec = None
         self._built = False
         self._fallback = None  # Keras' own train function, when the branches cannot be planned
 
@@ -228,17 +227,17 @@ class BranchTrainFunction:
         if self._ahead_started or not self.trace_ahead:
             return
         self._ahead_started = True
-        self._element_spec = getattr(iterator, "element_spec", None)
         ahead = [b for b in self.model.boost_step.branches_ahead() if b not in self._traced]
         if not ahead:
             return
         self._stop.clear()
         self._tracer = threading.Thread(target=self._trace_ahead,
-                                        args=(ahead, spec, steps, _keras_compat.thread_settings()), daemon=True,
+                                        args=(ahead, spec, getattr(iterator, "element_spec", None), steps,
+                                              _keras_compat.thread_settings()), daemon=True,
                                         name="keras_boost-trace-groups")
         self._tracer.start()
 
-    def _trace_ahead(self, branches, spec, steps, settings):
+    def _trace_ahead(self, branches, spec, element_spec, steps, settings):
         # Keras keeps the global dtype policy and random seed per thread: this one traces with fit's.
         _keras_compat.adopt_thread_settings(settings)
         # Every trace first (Python, which only this thread can do while fit's thread runs
@@ -266,30 +265,27 @@ class BranchTrainFunction:
             if branch in self._ran or branch not in self._traced:
                 continue
             try:
-                self._set_up(branch, spec)
+                self._set_up(branch, spec, element_spec)
             except Exception:  # noqa: BLE001 - the group's first step sets it up, and raises there
                 return
 
-    def _set_up(self, branch, spec):
+    def _set_up(self, branch, spec, element_spec):
         """Runs `branch`'s traced function once on an empty iterator of the same type.
 
         No step runs (without a batch the step's `tf.cond` is not taken: no variable, no
         collective, no freeze position is touched), but TensorFlow optimises and sets up the
         whole graph on this first call, which the group's first real step then does not.
         """
-        empty = self._empty_iterator(spec)
+        empty = self._empty_iterator(spec, element_spec)
         if empty is None:
             return
-        function = self._steps_on_iterator(branch)
-        _, done = function(empty, tf.constant(1, tf.int32))
-        if int(done) != 0:  # pragma: no cover - an empty iterator yields nothing
-            raise AssertionError(f"the empty run of freeze group {branch}'s step ran {int(done)} steps")
+        self._steps_on_iterator(branch)(empty, tf.constant(1, tf.int32))
         self.set_up_ahead.append(branch)
 
-    def _empty_iterator(self, spec):
-        """An iterator of `spec`'s type that yields nothing, or None for a type it cannot make."""
+    def _empty_iterator(self, spec, element_spec):
+        """An iterator of `spec`'s type (elements of `element_spec`) that yields nothing, or None for a type it
+        cannot make."""
         if self._empty is None:
-            element_spec = self._element_spec
             empty = False
             if element_spec is not None:
                 try:
