@@ -10,11 +10,16 @@ is built) choose, for the boost levels O1 and O2:
   policy); float32 on older GPUs;
 - on CPUs: `mixed_bfloat16` when the CPU has native bfloat16 instructions (the
   `avx512_bf16` or `amx_bf16` flag in /proc/cpuinfo: Cooper Lake, Sapphire Rapids and
-  later Xeons, Zen 4 and later), where oneDNN runs bfloat16 convolutions and matrix
-  products in hardware (measured in docs/benchmarks.md, "Mixed precision on CPUs");
-  float32 on every other CPU, where bfloat16 is emulated and many times slower;
+  later Xeons, Zen 4 and later) and TensorFlow's oneDNN kernels are on (TensorFlow's
+  default on such CPUs; `TF_ENABLE_ONEDNN_OPTS=0` turns them off), where oneDNN runs
+  bfloat16 convolutions and matrix products in hardware (measured in docs/benchmarks.md,
+  "Mixed precision on CPUs"); float32 on every other CPU, and with oneDNN off, where
+  bfloat16 is emulated and many times slower (0.07x on an AVX2 CPU; 14x slower steps on
+  this AVX512-BF16 machine with `TF_ENABLE_ONEDNN_OPTS=0`);
 - float32 at level O0, which stays plain Keras, and wherever the hardware is unknown.
 """
+
+import os
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 CHOICES = ("auto", *POLICIES)
@@ -30,8 +35,9 @@ def choose_policy(precision, level, compute_capabilities, cpu_bf16=False):
         precision: "auto" or one of POLICIES (returned unchanged).
         level: the boost level, "O0", "O1" or "O2" (None counts as "O0").
         compute_capabilities: one `(major, minor)` per visible GPU; empty on a CPU machine.
-        cpu_bf16: whether the CPU has native bfloat16 instructions (`cpu_has_native_bf16`);
-            used when there is no GPU.
+        cpu_bf16: whether the CPU has native bfloat16 instructions (`cpu_has_native_bf16`)
+            and TensorFlow's oneDNN kernels use them (`onednn_enabled`); used when there is
+            no GPU.
     """
     if precision not in CHOICES:
         raise ValueError(f"precision must be one of {CHOICES}, got {precision!r}")
@@ -73,6 +79,22 @@ def cpu_has_native_bf16(flags=None):
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+def onednn_enabled():
+    """Whether this TensorFlow runs its oneDNN CPU kernels (`TF_ENABLE_ONEDNN_OPTS`, else TF's own default).
+
+    TensorFlow decides once per process from the variable and the CPU; without oneDNN its
+    bfloat16 convolutions and matrix products are Eigen's emulation even on a CPU with
+    AVX512-BF16. Asked of TensorFlow itself (`IsMklEnabled`, which reads the same
+    variable); where that is not available, read from the variable like TensorFlow does.
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        value = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").strip().lower()
+        return value not in ("0", "false", "no", "off")
+
+
 def gpu_compute_capabilities():
     """`(major, minor)` of every GPU TensorFlow uses in this process (after pinning: one)."""
     import tensorflow as tf
@@ -89,7 +111,8 @@ def resolve_precision(precision, level):
     if precision != "auto":
         return choose_policy(precision, level, [])
     capabilities = gpu_compute_capabilities()
-    return choose_policy(precision, level, capabilities, cpu_bf16=not capabilities and cpu_has_native_bf16())
+    cpu_bf16 = not capabilities and cpu_has_native_bf16() and onednn_enabled()
+    return choose_policy(precision, level, capabilities, cpu_bf16=cpu_bf16)
 
 
 def set_auto_policy(level="O1", precision="auto"):

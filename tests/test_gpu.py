@@ -165,6 +165,28 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     assert cpu_flags(str(tmp_path / "missing")) == set()
 
 
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_auto_precision_on_cpus_needs_onednn(onednn):
+    """bfloat16 only where oneDNN runs it: with TF_ENABLE_ONEDNN_OPTS=0 TensorFlow emulates it
+    even on an AVX512-BF16 CPU (14x slower steps measured here), so `auto` keeps float32.
+
+    Each setting in its own process: TensorFlow reads the variable once per process.
+    """
+    if GPUS:
+        pytest.skip("a GPU decides the precision here, not the CPU")
+    from keras_boost.precision import cpu_has_native_bf16
+
+    code = ("from keras_boost.precision import onednn_enabled, resolve_precision; "
+            "print(onednn_enabled(), resolve_precision('auto', 'O1'), resolve_precision('auto', 'O0'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    enabled, o1, o0 = out.stdout.split()[-3:]
+    assert enabled == str(onednn == "1")
+    assert o0 == "float32"
+    assert o1 == ("mixed_bfloat16" if onednn == "1" and cpu_has_native_bf16() else "float32")
+
+
 def test_bad_precision():
     with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'float32', 'mixed_float16', "
                                          r"'mixed_bfloat16'\), got 'float16'"):

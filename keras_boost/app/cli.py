@@ -199,7 +199,7 @@ def _add_training_options(parser, epochs):
     parser.add_argument("--precision", choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"], default="auto",
                         help="auto (default): float32 at O0; at O1/O2 on GPUs mixed_bfloat16 (compute "
                         "capability >= 8.0) or mixed_float16 with dynamic loss scaling (7.x), on CPUs "
-                        "mixed_bfloat16 with AVX512-BF16/AMX and float32 otherwise; see docs/getting-started.md")
+                        "mixed_bfloat16 with AVX512-BF16/AMX and oneDNN on, float32 otherwise; see docs/getting-started.md")
     parser.add_argument("--np", type=_positive_int, default=None, help="workers (default 1, or the sum of the "
                         "slots of --hosts/--hostfile); > 1 launches horovodrun itself")
     parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np "
