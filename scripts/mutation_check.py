@@ -333,6 +333,11 @@ BREAKS = (
           "local_step = tf.cast(optimizer.iterations + 1, dtype)",
           "local_step = tf.cast(optimizer.iterations, dtype)",
           ("tests/test_fused_update.py::test_kernels_give_keras_update",)),
+    Break("auto_bf16_without_onednn", "precision auto picks bfloat16 on an AVX512-BF16 CPU with oneDNN off (emulated)",
+          "keras_boost/precision.py",
+          "cpu_bf16 = not capabilities and cpu_has_native_bf16() and onednn_enabled()",
+          "cpu_bf16 = not capabilities and cpu_has_native_bf16()",
+          ("tests/test_gpu.py::test_auto_precision_on_cpus_needs_onednn",)),
 )
 
 
