@@ -25,6 +25,18 @@ def _float32_policy():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(autouse=True)
+def _no_freeze_gate(monkeypatch):
+    """In this process, a boost level's freezing is not held back by the gate of
+    `keras_boost.step.tuning` (which switches it off in fits too short to repay its
+    compilation, as most fits of the tests are, where the groups compile on fit's path:
+    on this machine's 2 cores they compile ahead, on one core they would not). The gate's
+    own tests turn it on; launched workers run with it, as users do."""
+    from keras_boost.step.tuning import SelfMeasurement
+
+    monkeypatch.setattr(SelfMeasurement, "gate", False)
+
+
 # ------------------------------------------------------------------ the cluster
 # Real hosts on this machine (tests/cluster.py): network namespaces with their own
 # hostnames, addresses and sshd. Made once per test session by the first test that needs

@@ -196,6 +196,7 @@ SHARED = {
         ("accumulation_equivalence", "accumulation_equivalence", []),
         ("freeze_training", "freeze_training", []),
         ("self_measurement", "self_measurement", []),
+        ("self_measurement_gate", "self_measurement", ["gate"]),
         ("dropin_custom_step", "dropin", ["custom_step"]),
         ("dropin_jit", "dropin", ["jit"]),
         ("resume", "resume", ["{tmp}"]),

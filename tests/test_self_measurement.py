@@ -190,3 +190,74 @@ def test_two_workers_switch_off_together():
     assert first["tracing"] == second["tracing"] and len(first["tracing"]) == 8
     assert all(t.endswith(":1") for t in first["tracing"]), first["tracing"]
     assert first["digest"] == second["digest"] and first["finite"]  # bit-identical weights
+
+
+# ------------------------------------------------------------------ the gate before the groups compile
+@pytest.fixture
+def gate(monkeypatch):
+    """The gate on, and the groups compiled on fit's path (no tracing ahead), as on a busy host."""
+    from keras_boost.step.tuning import SelfMeasurement
+
+    monkeypatch.setattr(SelfMeasurement, "gate", True)
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "0")
+
+
+def test_the_gate_switches_freezing_off_before_a_group_compiles_in_a_short_fit(gate, capsys):
+    model = compiled(small_bn_model())
+    groups = Groups()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[groups])
+    out = capsys.readouterr().out
+    # 48 steps of ~10 ms cannot repay three compilations of ~0.5 s: off at the third step
+    assert "O1's gradient_freeze switched off in one process before compiling its groups: its 3 partial" in out
+    assert "steps left of this fit could save at most" in out
+    decisions = {option: kept for option, kept, _ in model.self_measurement}
+    assert decisions == {"gradient_freeze": False, "gradient_centralization": True}
+    assert groups.groups == [0] * 48  # full steps only
+    assert int(model.boost_step.freeze.position.numpy()) == 0  # the sequence never moved
+    assert model.train_function.traced_groups() == [0]  # no partial group was ever compiled
+    assert set(model.train_function.tracing_counts()) == {("step", 0), ("steps", 0)}
+
+
+def test_a_fit_long_enough_passes_the_gate_and_freezes_from_there(gate, capsys):
+    model = compiled(small_bn_model())
+    model.boost_step.freeze.min_saving = -10.0  # once timed, the schedule is kept
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if len(groups.groups) == 24:
+                self.model.stop_training = True
+
+    groups = Groups()
+    x, y = data()
+    # 1000 epochs of 12 steps: time enough to repay any compilation (stopped after 24 steps)
+    model.fit(x, y, batch_size=16, epochs=1000, shuffle=False, verbose=0, callbacks=[groups, StopAt()])
+    assert "before compiling its groups" not in capsys.readouterr().out
+    schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+    # three full steps held back by the gate, then the sequence from its start
+    assert groups.groups == [0, 0, 0] + schedule[:21]
+    assert model.boost_step.freeze.is_on()
+    assert int(model.boost_step.freeze.position.numpy()) == 21
+
+
+def test_the_gate_waits_for_a_fit_of_unknown_length(gate):
+    model = compiled(small_bn_model())
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)  # unknown length
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    groups = Groups()
+    model.fit(dataset, epochs=2, verbose=0, callbacks=[groups])
+    schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+    assert groups.groups == schedule[:24]  # not held back: the groups may pay in a fit this long
+
+
+def test_two_workers_pass_the_gate_together():
+    """Rank 1 compiles its groups on fit's path, rank 0 ahead: both hold freezing back, both decide off."""
+    found = shared("gloo", "self_measurement_gate")
+    first, second = found[0], found[1]
+    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False]]
+    assert first["decided_at"] == second["decided_at"] == 2
+    assert first["groups"] == second["groups"] == [0] * 48
+    assert first["position"] == second["position"] == 0
+    assert first["tracing"] == second["tracing"] == ["step0:1", "steps0:1"]
+    assert first["digest"] == second["digest"] and first["finite"]

@@ -12,6 +12,17 @@ stage on, `SelfMeasurement` times the steps of `fit`:
 - each stage's own cost out of the step (`Stage.measure_alone`: centralization's pass over
   the kernels).
 
+Before the freeze groups are compiled, a gate asks whether they could pay back their
+compilation in this `fit` at all. Where each group's step is compiled on fit's own path
+(no core free to trace them ahead, `keras_boost.step.dispatch`) and the fit's length is
+known, freezing waits for the first `gate_steps` steps (full steps; the sequence stands
+still), which time the first step (it compiles the full step) and the steps after it. If
+even an optimistic saving (the whole backward pass, `BACKWARD_SHARE` of a step, on every
+partial step of the schedule) over the fit's remaining steps stays below one compilation
+like the full step's per partial group, freezing is switched off for this model with one
+line and its numbers; otherwise it goes on as the schedule says. A fit of unknown length
+(a `tf.data` pipeline without a cardinality) skips the gate.
+
 Once every branch has been timed often enough, the workers average their numbers (one small
 allgather, at the same batch on every worker, so every worker takes the same decision), each
 stage gives its verdict (`Stage.verdict`), and the stages that do not pay are switched off
@@ -29,6 +40,12 @@ import keras
 
 from keras_boost import distributed
 
+# The most of a step that freezing can save: the backward pass (about two thirds of a
+# training step: two matrix products per forward one), had every partial group frozen all
+# of it. Real savings are far smaller (8-9% on ResNet50, docs/benchmarks.md), so the gate
+# switches freezing off only where it cannot pay.
+BACKWARD_SHARE = 2.0 / 3.0
+
 
 class SelfMeasurement(keras.callbacks.Callback):
     """Times the boost step's branches in `fit` and switches off the measured stages that do not pay.
@@ -37,22 +54,31 @@ class SelfMeasurement(keras.callbacks.Callback):
         stages: the step's stages to measure (each `measurable`, with a switch).
         full_steps: full steps to time before deciding (default 5).
         branch_steps: steps of each partial branch to time before deciding (default 3).
+        gate_steps: full steps the gate times before the freeze groups compile (default 3:
+            the first, which compiles, and two more). `SelfMeasurement.gate = False` turns
+            the gate off (the tests of the timing itself do).
         verbose: print the decision lines on rank 0 (default True).
 
     After the decision, `decisions` is a list of `(stage option, kept, numbers)`.
     """
 
-    def __init__(self, stages, full_steps=5, branch_steps=3, verbose=True):
+    gate = True  # the gate before the freeze groups compile (see the module's text)
+
+    def __init__(self, stages, full_steps=5, branch_steps=3, verbose=True, gate_steps=3):
         super().__init__()
         self.stages = list(stages)
         self.full_steps = full_steps
         self.branch_steps = branch_steps
+        self.gate_steps = gate_steps
         self.verbose = verbose
         self.decisions = None
         self.times = {}
         self._seen = set()
         self._start = None
         self._told = False
+        self._gate = None  # the times of the gate's steps while it holds freezing back
+        self._gated = None  # freezing's decision at the gate, when it switched freezing off
+        self._gate_passed = False
 
     @property
     def decided(self):
@@ -68,11 +94,35 @@ class SelfMeasurement(keras.callbacks.Callback):
         groups = {0, *freeze.shares()} if freeze is not None and freeze.plan is not None else {0}
         return {g: self.full_steps if g == 0 else self.branch_steps for g in groups}
 
+    def on_train_begin(self, logs=None):
+        self._first_epoch = None
+        self._steps_run = 0
+        freeze = self._freeze()
+        if not self.gate or self.decided or self._gate_passed or freeze is None or freeze not in self.stages:
+            return
+        self._gate_passed = True  # one gate per model: a later fit goes on from the decision
+        if not self.params or self.params.get("steps") is None:
+            return  # the fit's length is unknown
+        function = getattr(self.model, "train_function", None)
+        on_path = not getattr(function, "trace_ahead", False)  # no core free to compile the groups ahead
+        if distributed.size() > 1:  # one choice for all: the slowest host sets everyone's pace
+            on_path = any(distributed.allgather_object(on_path, "keras_boost_freeze_gate_start"))
+        if on_path:
+            freeze.switch_off()  # held back: full steps while the gate times them
+            self._gate = []
+
     def on_epoch_begin(self, epoch, logs=None):
         self._first_of_epoch = True
+        if self._first_epoch is None:
+            self._first_epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
         self._start = None
+        self._steps_run += 1
+        if self._gate is not None:
+            self._start = time.perf_counter()
+            self._first_of_epoch = False
+            return
         if self.decided:
             return
         freeze = self._freeze()
@@ -88,12 +138,20 @@ class SelfMeasurement(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._start is None:
             return
+        if self._gate is not None:
+            self._gate.append(time.perf_counter() - self._start)
+            if len(self._gate) >= self.gate_steps:
+                self._close_gate()
+            return
         self.times.setdefault(self._branch, []).append(time.perf_counter() - self._start)
         needed = self._needed()
         if all(len(self.times.get(b, ())) >= n for b, n in needed.items()):
             self._decide(sorted(needed))
 
     def on_train_end(self, logs=None):
+        if self._gate is not None:  # the fit ended inside the gate: freezing goes on as configured
+            self._gate = None
+            self.model.boost_step.freeze.switch.assign(True)
         if not self.decided and not self._told and self.verbose and distributed.rank() == 0:
             self._told = True
             names = ", ".join(s.option for s in self.stages)
@@ -102,13 +160,49 @@ class SelfMeasurement(keras.callbacks.Callback):
             print(f"keras_boost: the level's {names} {verb} on: this fit ran too few steps to time them (timed "
                   f"{timed} steps per branch, needed {self._needed()}); the next fit goes on timing", flush=True)
 
+    def _close_gate(self):
+        """Whether the freeze groups could pay back their compilation in what is left of this fit."""
+        gate, self._gate = self._gate, None
+        local = {"first": gate[0], "step": statistics.median(gate[1:])}
+        measured = distributed.allgather_object(local, "keras_boost_freeze_gate") \
+            if distributed.size() > 1 else [local]
+        first = statistics.fmean(m["first"] for m in measured)
+        step = statistics.fmean(m["step"] for m in measured)
+        self.times.setdefault(0, []).extend(gate[1:])  # full steps, after the one that compiled
+        self._seen.add(0)
+        freeze = self.model.boost_step.freeze
+        shares = freeze.shares()
+        partial = sorted(g for g in shares if g != 0)
+        left = (self.params["epochs"] - (self._first_epoch or 0)) * self.params["steps"] - self._steps_run
+        saving = max(left, 0) * (1.0 - shares.get(0, 0.0)) * BACKWARD_SHARE * step
+        compiling = len(partial) * max(first - step, 0.0)
+        if saving >= compiling:
+            freeze.switch.assign(True)
+            return
+        numbers = (f"its {len(partial)} partial groups would each compile about as long as the full step "
+                   f"({first - step:.2f} s: first step {first:.2f} s, then {1000 * step:.1f} ms), "
+                   f"{compiling:.2f} s in all, and the {left} steps left of this fit could save at most "
+                   f"{saving:.2f} s (the whole backward pass of every partial step)")
+        self._gated = (freeze.option, False, numbers)
+        self.stages.remove(freeze)
+        if self.verbose and distributed.rank() == 0:
+            print(f"keras_boost: {self.model.auto_boost.level}'s {freeze.option} switched off "
+                  f"{self._where()} before compiling its groups: {numbers}", flush=True)
+        if not self.stages:
+            self.decisions = [self._gated]
+            object.__setattr__(self.model, "self_measurement", self.decisions)
+
+    @staticmethod
+    def _where():
+        return f"on {distributed.size()} workers" if distributed.size() > 1 else "in one process"
+
     def _decide(self, branches):
         local = {"times": {b: statistics.median(self.times[b]) for b in branches},
                  "alone": [stage.measure_alone() for stage in self.stages]}
         measured = distributed.allgather_object(local, "keras_boost_self_measurement") \
             if distributed.size() > 1 else [local]
         times = {b: statistics.fmean(m["times"][b] for m in measured) for b in branches}
-        self.decisions = []
+        self.decisions = [self._gated] if self._gated is not None else []
         for index, stage in enumerate(self.stages):
             alone = {k: statistics.fmean(m["alone"][index][k] for m in measured) for k in local["alone"][index]}
             pays, numbers = stage.verdict(times, alone)
@@ -116,7 +210,6 @@ class SelfMeasurement(keras.callbacks.Callback):
                 stage.switch_off()
             self.decisions.append((stage.option, pays, numbers))
             if self.verbose and distributed.rank() == 0:
-                where = f"on {distributed.size()} workers" if distributed.size() > 1 else "in one process"
                 print(f"keras_boost: {self.model.auto_boost.level}'s {stage.option} "
-                      f"{'stays on' if pays else 'switched off'} {where}: {numbers}", flush=True)
+                      f"{'stays on' if pays else 'switched off'} {self._where()}: {numbers}", flush=True)
         object.__setattr__(self.model, "self_measurement", self.decisions)
