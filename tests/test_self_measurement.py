@@ -195,7 +195,7 @@ def test_two_workers_switch_off_together():
 # ------------------------------------------------------------------ the gate before the groups compile
 @pytest.fixture
 def gate(monkeypatch):
-    """The gate on, and the groups compiled on fit's path (no tracing ahead), as on a busy host."""
+    """The gate on, and the groups compiled on fit's path (no tracing ahead, unless a test says)."""
     from keras_boost.step.tuning import SelfMeasurement
 
     monkeypatch.setattr(SelfMeasurement, "gate", True)
@@ -240,6 +240,29 @@ def test_a_fit_long_enough_passes_the_gate_and_freezes_from_there(gate, capsys):
     assert int(model.boost_step.freeze.position.numpy()) == 21
 
 
+def test_with_tracing_ahead_the_gate_holds_the_groups_back_then_traces_them_ahead(gate, monkeypatch):
+    monkeypatch.setenv("KERAS_BOOST_TRACE_AHEAD", "1")
+    model = compiled(small_bn_model())
+    x, y = data()
+    short = Groups()
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[short])
+    assert short.groups == [0] * 48 and model.train_function.traced_ahead == []  # nothing traced ahead
+
+    model = compiled(small_bn_model())
+    model.boost_step.freeze.min_saving = -10.0
+    long = Groups()
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = len(long.groups) == 24
+
+    model.fit(x, y, batch_size=16, epochs=1000, shuffle=False, verbose=0, callbacks=[long, StopAt()])
+    assert long.groups[:3] == [0, 0, 0] and set(long.groups[3:]) == {0, 1, 2, 3}
+    # once the gate let freezing on, the groups still to come were traced in the background
+    assert model.train_function.traced_ahead, model.train_function.traced_groups()
+    assert set(model.train_function.tracing_counts().values()) == {1}
+
+
 def test_the_gate_waits_for_a_fit_of_unknown_length(gate):
     model = compiled(small_bn_model())
     x, y = data()
@@ -252,7 +275,7 @@ def test_the_gate_waits_for_a_fit_of_unknown_length(gate):
 
 
 def test_two_workers_pass_the_gate_together():
-    """Rank 1 compiles its groups on fit's path, rank 0 ahead: both hold freezing back, both decide off."""
+    """Rank 1 compiles its groups on fit's path, rank 0 ahead: both hold freezing back, both decide off together."""
     found = shared("gloo", "self_measurement_gate")
     first, second = found[0], found[1]
     assert first["decisions"] == second["decisions"] == [["gradient_freeze", False]]

@@ -70,6 +70,7 @@ class BranchTrainFunction:
         self._making = threading.RLock()  # one function per group, whichever thread asks first
         self._tracer = None  # the thread tracing the groups ahead
         self._ahead_started = False
+        self._ahead_args = None  # (iterator spec, element spec, steps spec) of the first traced group
         self._stop = threading.Event()
         self._in_step = threading.Event()  # set while the main thread runs a compiled step
         self._traced = set()  # the groups whose `_steps_on_iterator` function is traced
@@ -194,6 +195,7 @@ class BranchTrainFunction:
         self._build(iterator.element_spec)
         if self._fallback is not None:
             return self._fallback(iterator)
+        self._start_tracing_ahead()  # where a first fit's gate held it back
         outputs, remaining = None, limit
         while remaining > 0:
             branch, steps = step.next_branch(remaining)
@@ -224,17 +226,29 @@ class BranchTrainFunction:
         with KERAS_LOCK:  # waits for a trace of the background thread
             function.get_concrete_function(spec, steps)
             self._traced.add(branch)
-        if self._ahead_started or not self.trace_ahead:
+        self._ahead_args = (spec, getattr(iterator, "element_spec", None), steps)
+        self._start_tracing_ahead()
+
+    def _start_tracing_ahead(self):
+        """Starts the background thread on the groups still to come, once a first group is traced.
+
+        Not while the selecting stage is switched off (held back by self-measurement's gate,
+        `keras_boost.step.tuning`): a later call starts it if the stage is switched on again.
+        """
+        if self._ahead_started or not self.trace_ahead or self._ahead_args is None:
+            return
+        selecting = self.model.boost_step._with("select_branch")[0]
+        if not selecting.is_on():
             return
         self._ahead_started = True
         ahead = [b for b in self.model.boost_step.branches_ahead() if b not in self._traced]
         if not ahead:
             return
+        spec, element_spec, steps = self._ahead_args
         self._stop.clear()
         self._tracer = threading.Thread(target=self._trace_ahead,
-                                        args=(ahead, spec, getattr(iterator, "element_spec", None), steps,
-                                              _keras_compat.thread_settings()), daemon=True,
-                                        name="keras_boost-trace-groups")
+                                        args=(ahead, spec, element_spec, steps, _keras_compat.thread_settings()),
+                                        daemon=True, name="keras_boost-trace-groups")
         self._tracer.start()
 
     def _trace_ahead(self, branches, spec, element_spec, steps, settings):
@@ -301,6 +315,7 @@ class BranchTrainFunction:
     def finish_tracing(self):
         """Stops tracing ahead at the next group and waits for the current one (`fit` calls it at its end)."""
         tracer, self._tracer = self._tracer, None
+        self._ahead_args = None  # the next fit's data may be another type: its first trace sets them again
         if tracer is None:
             return
         self._stop.set()

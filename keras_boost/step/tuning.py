@@ -13,10 +13,13 @@ stage on, `SelfMeasurement` times the steps of `fit`:
   the kernels).
 
 Before the freeze groups are compiled, a gate asks whether they could pay back their
-compilation in this `fit` at all. Where each group's step is compiled on fit's own path
-(no core free to trace them ahead, `keras_boost.step.dispatch`) and the fit's length is
-known, freezing waits for the first `gate_steps` steps (full steps; the sequence stands
-still), which time the first step (it compiles the full step) and the steps after it. If
+compilation in this `fit` at all. Each group's step is compiled when the group first
+trains, or ahead in a background thread (`keras_boost.step.dispatch`); either way that
+work competes with the steps (TensorFlow's steps use every core): on ResNet50 in one
+process, with the groups traced ahead, a fit of 90 steps took 31.8 s with freezing and
+23.3 s without (docs/benchmarks.md). So when the fit's length is known, freezing waits
+for the first `gate_steps` steps (full steps; the sequence stands still; nothing is traced
+ahead), which time the first step (it compiles the full step) and the steps after it. If
 even an optimistic saving (the whole backward pass, `BACKWARD_SHARE` of a step, on every
 partial step of the schedule) over the fit's remaining steps stays below one compilation
 like the full step's per partial group, freezing is switched off for this model with one
@@ -102,14 +105,9 @@ class SelfMeasurement(keras.callbacks.Callback):
             return
         self._gate_passed = True  # one gate per model: a later fit goes on from the decision
         if not self.params or self.params.get("steps") is None:
-            return  # the fit's length is unknown
-        function = getattr(self.model, "train_function", None)
-        on_path = not getattr(function, "trace_ahead", False)  # no core free to compile the groups ahead
-        if distributed.size() > 1:  # one choice for all: the slowest host sets everyone's pace
-            on_path = any(distributed.allgather_object(on_path, "keras_boost_freeze_gate_start"))
-        if on_path:
-            freeze.switch_off()  # held back: full steps while the gate times them
-            self._gate = []
+            return  # the fit's length is unknown (the same on every worker)
+        freeze.switch_off()  # held back: full steps while the gate times them
+        self._gate = []
 
     def on_epoch_begin(self, epoch, logs=None):
         self._first_of_epoch = True

@@ -36,7 +36,7 @@ def run(verdict="off"):
 
     SelfMeasurement.gate = verdict == "gate"
     distributed.init()
-    if verdict == "gate":  # rank 1 compiles its groups on fit's path, rank 0 ahead: the gate is for both
+    if verdict == "gate":  # rank 1 compiles its groups when they first train, rank 0 ahead: the gate holds both
         os.environ["KERAS_BOOST_TRACE_AHEAD"] = "0" if distributed.rank() == 1 else "1"
     rank, size = distributed.rank(), distributed.size()
     x, y = synthetic(BATCH * STEPS_PER_EPOCH * size, shape=(12, 12, 1), classes=4, seed=0)
