@@ -53,6 +53,17 @@ def test_train_single_process_with_level_and_checkpoint(tmp_path):
     assert (tmp_path / "model.weights.h5").exists()
 
 
+def test_a_short_run_reports_the_freezing_that_ran():
+    """O1's own freezing in a 4-step run: held back by the gate, then switched off before a group compiled."""
+    args = ["train", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "1", "--batch-size", "32",
+            "--steps-per-epoch", "4", "--level", "O1", "--json"]
+    result = keras_boost(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "O1's gradient_freeze switched off in one process before compiling its groups" in result.stdout
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["frozen_step_share"] == 0.0  # what ran, not what the schedule says (0.333 here)
+
+
 def test_train_two_workers(tmp_path):
     freeze = {"param_groups": 2, "freeze_p": 0.5}  # keras_boost's continuous strategy: [0, 1, 0, 1, ...]
     config = tmp_path / "boost.json"

@@ -59,9 +59,15 @@ def build_model(name, seed=0):
 
 
 def _boost_config(args, updates):
-    """The --config file (JSON only), with the freeze schedule sized to this run by default."""
+    """The --config file (JSON only); a `grad_freeze` section it gives is sized to this run by default.
+
+    Without one the level's own freezing keeps its defaults (its continuous sequence is the
+    same pattern whatever its length): a section given would make it the user's fixed
+    choice, which the level's self-measurement may not switch off.
+    """
     config = read_config(args.config) if args.config else {}
-    config.setdefault("grad_freeze", {}).setdefault("total_steps", max(updates, 1))
+    if isinstance(config.get("grad_freeze"), dict):
+        config["grad_freeze"].setdefault("total_steps", max(updates, 1))
     return config
 
 
@@ -104,19 +110,36 @@ def prepare(args):
     return model, (x_train, y_train), (x_test, y_test)
 
 
-def boost_report(model):
-    """What the boost did: BatchNorms removed, share of frozen steps, overflows, fused update."""
+class FrozenSteps(keras.callbacks.Callback):
+    """Counts the steps of `fit` that trained a partial freeze group (`freeze_group` > 0 in the step's logs).
+
+    What ran, not what the schedule says: a boost level's freezing may be switched off by
+    its self-measurement (`keras_boost.step.tuning`) before or after its groups train.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.steps = self.frozen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs and "freeze_group" in logs:
+            self.steps += 1
+            self.frozen += int(np.asarray(logs["freeze_group"]) > 0)
+
+
+def boost_report(model, frozen_steps=None):
+    """What the boost did: BatchNorms removed, share of frozen steps (`frozen_steps`: the `FrozenSteps`
+    of the fit), what the level's self-measurement decided, overflows, fused update."""
     step = model.boost_step
     report = {"level": model.auto_boost.level if model.auto_boost else "O0",
               "precision": keras.config.dtype_policy().name}
     if model.less_bn_report is not None:
         report["batchnorms_removed"] = f"{model.less_bn_report.num_removed} of " \
             f"{model.less_bn_report.num_removed + model.less_bn_report.num_kept}"
-    updates = int(model.optimizer.iterations.numpy())
-    if step.freeze is not None and updates:
-        schedule = step.freeze.plan.schedule
-        groups = schedule[np.arange(updates) % len(schedule)]
-        report["frozen_step_share"] = round(float(np.mean(groups > 0)), 3)
+    if step.freeze is not None and frozen_steps is not None and frozen_steps.steps:
+        report["frozen_step_share"] = round(frozen_steps.frozen / frozen_steps.steps, 3)
+    for option, kept, _ in getattr(model, "self_measurement", None) or ():
+        report.setdefault("self_measurement", {})[option] = "kept" if kept else "switched off"
     if step.loss_scale is not None:
         report["overflows"] = int(step.loss_scale.overflow_count.numpy())
     if step.adasum is not None:
@@ -139,7 +162,8 @@ def _checkpoint_callbacks(model, directory):
 def run_training(args):
     """Trains per `args` (the `keras-boost train` options) on this worker; returns a summary dict."""
     model, (x_train, y_train), (x_test, y_test) = prepare(args)
-    callbacks = _checkpoint_callbacks(model, args.checkpoint_dir)
+    frozen_steps = FrozenSteps()
+    callbacks = _checkpoint_callbacks(model, args.checkpoint_dir) + [frozen_steps]
     start = time.perf_counter()
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
                         steps_per_epoch=args.steps_per_epoch, shuffle=True, callbacks=callbacks)
@@ -154,5 +178,5 @@ def run_training(args):
         "train_loss": round(float(history.history["loss"][-1]), 4),
         "test_accuracy": round(float(test["accuracy"]), 4),
         "wall_time_s": round(wall, 1),
-        **boost_report(model),
+        **boost_report(model, frozen_steps),
     }

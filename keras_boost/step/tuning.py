@@ -72,6 +72,9 @@ class SelfMeasurement(keras.callbacks.Callback):
         self.stages = list(stages)
         self.full_steps = full_steps
         self.branch_steps = branch_steps
+        if not isinstance(gate_steps, int) or gate_steps < 2:
+            raise ValueError(f"gate_steps must be an int >= 2 (the first step and at least one after it), "
+                             f"got {gate_steps!r}")
         self.gate_steps = gate_steps
         self.verbose = verbose
         self.decisions = None
