@@ -23,9 +23,12 @@ process (docs/benchmarks.md); the table's header says which was used.
 
 Configurations (`--configs`):
     keras        plain keras.Model (the reference without keras_boost)
-    O0, O1, O2   BoostModel(boost_level=...) with the level's defaults (keras_boost's)
+    O0, O1, O2   BoostModel(boost_level=...) with the level's defaults (keras_boost's); in a fit too
+                 short to repay the freeze groups' compilation (the default 40 steps; 3 x 30 on
+                 ResNet50) the level's freezing switches itself off at the third step
+                 (docs/auto_boost.md): use more steps, or O1-fixed, to measure it
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
-    O1-fixed     O1 without self-measurement (every stage of the level stays on)
+    O1-fixed     O1 without self-measurement (every stage of the level stays on, no gate)
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
     O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
