@@ -263,6 +263,31 @@ def test_with_tracing_ahead_the_gate_holds_the_groups_back_then_traces_them_ahea
     assert set(model.train_function.tracing_counts().values()) == {1}
 
 
+@pytest.mark.parametrize("fit_epochs, kept", [(4, False), (1000, True)])
+def test_with_accumulation_the_gate_changes_freezing_only_between_windows(gate, fit_epochs, kept):
+    """Windows of 2 micro-batches: the gate's 3 steps end inside a window, so it decides after the 4th;
+    every window trains one group whatever the gate decides."""
+    model = compiled(small_bn_model(), gradient_accumulation=2)
+    model.boost_step.freeze.min_saving = -10.0
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = len(groups.groups) == 40
+
+    groups = Groups()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=fit_epochs, shuffle=False, verbose=0, callbacks=[groups, StopAt()])
+    assert all(groups.groups[i] == groups.groups[i + 1] for i in range(0, len(groups.groups), 2)), groups.groups
+    assert groups.groups[:4] == [0, 0, 0, 0]  # held back to the end of the second window
+    assert model.boost_step.freeze.is_on() == kept
+    if kept:
+        schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+        assert groups.groups[4::2] == schedule[:18]  # one group per window, from the sequence's start
+    else:
+        assert set(groups.groups) == {0}
+    assert all(np.isfinite(np.array(w)).all() for w in model.trainable_weights)
+
+
 def test_the_gate_waits_for_a_fit_of_unknown_length(gate):
     model = compiled(small_bn_model())
     x, y = data()

@@ -109,6 +109,8 @@ class SelfMeasurement(keras.callbacks.Callback):
         self._gate_passed = True  # one gate per model: a later fit goes on from the decision
         if not self.params or self.params.get("steps") is None:
             return  # the fit's length is unknown (the same on every worker)
+        if not self._at_boundary():
+            return  # a fit that starts inside an accumulation window (a resumed one) keeps its group
         freeze.switch_off()  # held back: full steps while the gate times them
         self._gate = []
 
@@ -141,13 +143,22 @@ class SelfMeasurement(keras.callbacks.Callback):
             return
         if self._gate is not None:
             self._gate.append(time.perf_counter() - self._start)
-            if len(self._gate) >= self.gate_steps:
+            if len(self._gate) >= self.gate_steps and self._at_boundary():
                 self._close_gate()
             return
         self.times.setdefault(self._branch, []).append(time.perf_counter() - self._start)
         needed = self._needed()
-        if all(len(self.times.get(b, ())) >= n for b, n in needed.items()):
+        if all(len(self.times.get(b, ())) >= n for b, n in needed.items()) and self._at_boundary():
             self._decide(sorted(needed))
+
+    def _at_boundary(self):
+        """Whether no gradient accumulation window is open: a switch changes freezing's group only
+        between windows (a window trains one group; its accumulators are read and reset by group)."""
+        windowing = self.model.boost_step._with("window")
+        if not windowing:
+            return True
+        window = windowing[0].steps_to_boundary()
+        return window is None or window[0] == window[1]
 
     def on_train_end(self, logs=None):
         if self._gate is not None:  # the fit ended inside the gate: freezing goes on as configured
@@ -164,7 +175,7 @@ class SelfMeasurement(keras.callbacks.Callback):
     def _close_gate(self):
         """Whether the freeze groups could pay back their compilation in what is left of this fit."""
         gate, self._gate = self._gate, None
-        local = {"first": gate[0], "step": statistics.median(gate[1:])}
+        local = {"first": gate[0], "step": statistics.median(gate[1:])}  # the same count on every worker
         measured = distributed.allgather_object(local, "keras_boost_freeze_gate") \
             if distributed.size() > 1 else [local]
         first = statistics.fmean(m["first"] for m in measured)
