@@ -154,6 +154,17 @@ class BoostStep:
         self._require_built()
         return len(self._groups) > 1 and self._with("select_branch")[0].upcoming_branch() is not None
 
+    def window_left(self):
+        """(micro-batches left in the open accumulation window, per window), read between steps;
+        (1, 1) without a window stage, None where the window cannot say."""
+        windowing = self._with("window")
+        return windowing[0].steps_to_boundary() if windowing else (1, 1)
+
+    def at_window_boundary(self):
+        """Whether no accumulation window is open (True where the window cannot say)."""
+        window = self.window_left()
+        return window is None or window[0] == window[1]
+
     def next_branch(self, limit):
         """(branch, steps): the branch the next step trains, and for how many steps in a row (1..limit).
 
@@ -161,8 +172,7 @@ class BoostStep:
         run; identical on every worker, whose state is identical.
         """
         branch, updates = self._with("select_branch")[0].upcoming_branch()
-        windowing = self._with("window")
-        window = windowing[0].steps_to_boundary() if windowing else (1, 1)
+        window = self.window_left()
         if window is None:  # a window that cannot say where it ends: one step at a time
             return branch, 1
         first, per_update = window

@@ -154,11 +154,7 @@ class SelfMeasurement(keras.callbacks.Callback):
     def _at_boundary(self):
         """Whether no gradient accumulation window is open: a switch changes freezing's group only
         between windows (a window trains one group; its accumulators are read and reset by group)."""
-        windowing = self.model.boost_step._with("window")
-        if not windowing:
-            return True
-        window = windowing[0].steps_to_boundary()
-        return window is None or window[0] == window[1]
+        return self.model.boost_step.at_window_boundary()
 
     def on_train_end(self, logs=None):
         if self._gate is not None:  # the fit ended inside the gate: freezing goes on as configured
@@ -176,8 +172,7 @@ class SelfMeasurement(keras.callbacks.Callback):
         """Whether the freeze groups could pay back their compilation in what is left of this fit."""
         gate, self._gate = self._gate, None
         local = {"first": gate[0], "step": statistics.median(gate[1:])}  # the same count on every worker
-        measured = distributed.allgather_object(local, "keras_boost_freeze_gate") \
-            if distributed.size() > 1 else [local]
+        measured = _every_worker(local, "keras_boost_freeze_gate")
         first = statistics.fmean(m["first"] for m in measured)
         step = statistics.fmean(m["step"] for m in measured)
         self.times.setdefault(0, []).extend(gate[1:])  # full steps, after the one that compiled
@@ -211,8 +206,7 @@ class SelfMeasurement(keras.callbacks.Callback):
     def _decide(self, branches):
         local = {"times": {b: statistics.median(self.times[b]) for b in branches},
                  "alone": [stage.measure_alone() for stage in self.stages]}
-        measured = distributed.allgather_object(local, "keras_boost_self_measurement") \
-            if distributed.size() > 1 else [local]
+        measured = _every_worker(local, "keras_boost_self_measurement")
         times = {b: statistics.fmean(m["times"][b] for m in measured) for b in branches}
         self.decisions = [self._gated] if self._gated is not None else []
         for index, stage in enumerate(self.stages):
@@ -225,3 +219,8 @@ class SelfMeasurement(keras.callbacks.Callback):
                 print(f"keras_boost: {self.model.auto_boost.level}'s {stage.option} "
                       f"{'stays on' if pays else 'switched off'} {self._where()}: {numbers}", flush=True)
         object.__setattr__(self.model, "self_measurement", self.decisions)
+
+
+def _every_worker(local, name):
+    """`local` of every worker, in rank order (one allgather; this process's alone without Horovod workers)."""
+    return distributed.allgather_object(local, name) if distributed.size() > 1 else [local]
