@@ -2,6 +2,8 @@
 
 import os
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -334,8 +336,12 @@ def _rewritten_graph(auto_boost, args, kwargs):
     kwargs = dict(kwargs)
     inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
     outputs = kwargs.pop("outputs") if "outputs" in kwargs else args[1]
-    rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
-                       fn_needs_removal=auto_boost.measured("less_bn"))
+    with warnings.catch_warnings(record=True) as caught:  # LessBN's warnings, shown at the user's BoostModel(...)
+        warnings.simplefilter("always")
+        rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
+                           fn_needs_removal=auto_boost.measured("less_bn"))
+    for caught_warning in caught:
+        warnings.warn(caught_warning.message, caught_warning.category, stacklevel=3)
     return (rewritten.inputs, rewritten.outputs, *args[2:]), kwargs, rewritten.less_bn_report
 
 

@@ -203,7 +203,7 @@ SHARED = {
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_combine", "adasum_combine", [12]),
         ("compression", "compression", []),
-        ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
+        ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
@@ -215,7 +215,7 @@ SHARED = {
         ("freeze_training", "freeze_training", []),
         ("dropin_custom_step", "dropin", ["custom_step"]),
         ("adasum_combine", "adasum_combine", [2]),
-        ("uneven_data", "uneven_data", ["numpy,dataset,pydataset"]),
+        ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
     "gloo4": dict(np=4, controller="gloo", timeout=420, slots=[2, 2], scenarios=[

@@ -378,3 +378,12 @@ def test_fn_flag_without_dense_output_is_rejected():
     model = keras.Model(inputs, keras.layers.Conv2D(2, 1)(inputs))
     with pytest.raises(ValueError, match="fn_flag=True needs a Dense layer"):
         LessBN(model, fn_flag=True)
+
+
+def test_a_levels_lessbn_warning_points_at_the_users_boostmodel_call():
+    from keras_boost import BoostModel
+
+    inputs = keras.Input((6,))
+    with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove") as caught:
+        BoostModel(inputs, keras.layers.Dense(3)(inputs), boost_level="O1")
+    assert [w.filename for w in caught if "BatchNormalization" in str(w.message)] == [__file__]

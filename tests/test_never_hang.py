@@ -43,6 +43,17 @@ def test_uneven_shards_end_together_with_identical_weights(controller):
         assert r0["evaluation"] == r1["evaluation"], mode
         assert r0["evaluation_diff"] < 1e-5, (mode, r0)
         assert len(r0["history"]["val_loss"]) == 2
+        # fit knows each epoch's length where the data has one (before, evened-out arrays were of unknown
+        # length: no progress bar, no `params["steps"]`), and the evening-out adds no warning (a tf.data
+        # pipeline of unknown length: None, and Keras' own warnings, that it ran out and that it ignores
+        # fit's default shuffle=True, as plain Keras gives them)
+        assert r0["epoch_steps"] == ([None, None] if mode == "dataset" else [3, 3]), (mode, r0["epoch_steps"])
+        if mode != "dataset":
+            assert not [w for w in r0["warnings"] if "shuffle" in w or "ran out" in w], (mode, r0["warnings"])
+    r0, r1 = found[0]["numpy_shuffled"], found[1]["numpy_shuffled"]  # each rank reshuffles its shard each epoch
+    assert r0["digest"] == r1["digest"] and r0["iterations"] == 6 and r0["epoch_steps"] == [3, 3], r0
+    assert r0["diff"] > 1e-4, r0  # not the unshuffled order: the shuffle was kept
+    assert not r0["warnings"], r0["warnings"]
 
 
 def test_mismatched_workers_are_refused_before_any_collective():

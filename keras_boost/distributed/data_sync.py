@@ -308,7 +308,7 @@ def prepare_fit(model, arguments):
         args["x"] = _FirstBatches(x, common)
         return args
     if isinstance(x, tf.data.Dataset):
-        args["x"] = x.take(common) if known else end_together(x)
+        args["x"] = _first(x, common) if known else end_together(x)
         return args
     if adapter is None:
         adapter = get_data_adapter(args["x"], args["y"], args["sample_weight"], args["batch_size"], None,
@@ -318,9 +318,17 @@ def prepare_fit(model, arguments):
         dataset = without_autotune(dataset)
     if args["validation_data"] is not None and args.get("validation_batch_size") is None:
         args["validation_batch_size"] = args["batch_size"]  # Keras' default for validation, kept
-    args.update(x=dataset.take(common) if known else end_together(dataset), y=None, sample_weight=None,
-                batch_size=None, class_weight=None)
+    # `shuffle` is the adapter's now (it reshuffles the arrays each epoch): Keras' fit would warn that it ignores it
+    args.update(x=_first(dataset, common) if known else end_together(dataset), y=None, sample_weight=None,
+                batch_size=None, class_weight=None, shuffle=False)
     return args
+
+
+def _first(dataset, steps):
+    """The first `steps` batches of `dataset`, of known length: Keras' adapters give datasets of unknown
+    cardinality, with which fit's first epoch would not know its length (no progress bar, no
+    `params["steps"]` for callbacks) and would warn at its end that the input ran out of data."""
+    return dataset.take(steps).apply(tf.data.experimental.assert_cardinality(steps))
 
 
 def _is_generator(x):

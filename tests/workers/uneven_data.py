@@ -6,13 +6,16 @@ trained on one process on the batches that were used (each global step = rank 0'
 batch k and rank 1's batch k, the common 3 batches per epoch), the validation logs and
 their difference to a plain Keras evaluation of all validation samples of both ranks.
 
-Modes (argv[1], comma-separated): numpy, dataset (tf.data of unknown cardinality),
-pydataset (keras.utils.PyDataset of known, different lengths).
+Modes (argv[1], comma-separated): numpy, numpy_shuffled (fit's default shuffle: no
+reference, the ranks still agree), dataset (tf.data of unknown cardinality), pydataset
+(keras.utils.PyDataset of known, different lengths). Each reports the steps fit knew at each
+epoch's start and the UserWarnings fit gave.
 """
 
 import hashlib
 import sys
 import time
+import warnings
 
 from common import report
 
@@ -45,6 +48,17 @@ class Batches(keras.utils.PyDataset):
         return self.x[index * BATCH:(index + 1) * BATCH], self.y[index * BATCH:(index + 1) * BATCH]
 
 
+class EpochLengths(keras.callbacks.Callback):
+    """The number of steps Keras' fit knows at the start of each epoch (None: unknown)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps.append(self.params.get("steps"))
+
+
 def reference(x, y, xv, yv):
     """Plain Keras on one process: global batch k = rank 0's batch k + rank 1's batch k, 3 per epoch."""
     steps = min(SIZES.values()) // BATCH
@@ -71,18 +85,26 @@ def run(modes="numpy,dataset,pydataset"):
     out = {}
     for mode in modes:
         model = compile_sgd(mlp(BoostModel, seed=0))
+        lengths = EpochLengths()
         start = time.monotonic()
-        if mode == "numpy":
-            history = model.fit(xs, ys, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=val)
-        elif mode == "dataset":
-            ds = tf.data.Dataset.from_tensor_slices((xs, ys)).filter(lambda a, b: True).batch(BATCH)
-            assert int(ds.cardinality()) == tf.data.UNKNOWN_CARDINALITY
-            vds = tf.data.Dataset.from_tensor_slices(val).filter(lambda a, b: True).batch(8)
-            history = model.fit(ds, epochs=2, verbose=0, validation_data=vds)
-        elif mode == "pydataset":
-            history = model.fit(Batches(xs, ys), epochs=2, shuffle=False, verbose=0, validation_data=val)
-        else:
-            raise ValueError(mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode == "numpy":
+                history = model.fit(xs, ys, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                                    validation_data=val, callbacks=[lengths])
+            elif mode == "dataset":
+                ds = tf.data.Dataset.from_tensor_slices((xs, ys)).filter(lambda a, b: True).batch(BATCH)
+                assert int(ds.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+                vds = tf.data.Dataset.from_tensor_slices(val).filter(lambda a, b: True).batch(8)
+                history = model.fit(ds, epochs=2, verbose=0, validation_data=vds, callbacks=[lengths])
+            elif mode == "pydataset":
+                history = model.fit(Batches(xs, ys), epochs=2, shuffle=False, verbose=0, validation_data=val,
+                                    callbacks=[lengths])
+            elif mode == "numpy_shuffled":  # Keras' default shuffle=True: each rank reshuffles its shard
+                history = model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, validation_data=val,
+                                    callbacks=[lengths])
+            else:
+                raise ValueError(mode)
         seconds = time.monotonic() - start
         evaluation = model.evaluate(val[0], val[1], batch_size=8, verbose=0, return_dict=True)
         digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
@@ -92,6 +114,8 @@ def run(modes="numpy,dataset,pydataset"):
             "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
             "evaluation": {k: float(v) for k, v in evaluation.items()},
             "evaluation_diff": max(abs(evaluation[k] - ref_val[k]) for k in ref_val),
+            "epoch_steps": lengths.steps,
+            "warnings": sorted({str(w.message)[:80] for w in caught if issubclass(w.category, UserWarning)}),
         }
     return out
 
