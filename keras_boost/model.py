@@ -122,6 +122,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
         self.boost_step = BoostStep(self, self.optimizer, sens=sens, stages=stages, **given)
         object.__setattr__(self, "self_measurement", None)  # decisions of step/tuning.py, untracked
+        object.__setattr__(self, "_measuring", None)  # a new step: its stages are timed afresh
         for stage in self.boost_step.stages:  # the level's stages that fit may switch off (step/tuning.py)
             if stage.measurable and stage.option in from_level and self.auto_boost.measured(stage.level_section):
                 stage.add_switch()
@@ -270,7 +271,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         if step is None or self.self_measurement is not None:
             return None  # nothing compiled, or measured by an earlier fit: the decision stands
         ongoing = self.__dict__.get("_measuring")
-        if ongoing is not None and ongoing.stages[0] in step.stages:
+        if ongoing is not None:
             return ongoing  # an earlier fit ended before it could decide: the timing goes on
         stages = [s for s in step.stages if s.switch is not None and s.is_on()]
         if not stages:

@@ -219,6 +219,22 @@ def test_the_gate_switches_freezing_off_before_a_group_compiles_in_a_short_fit(g
     assert set(model.train_function.tracing_counts()) == {("step", 0), ("steps", 0)}
 
 
+def test_a_recompiled_model_measures_its_new_step(gate, capsys):
+    # the keras-io fine-tuning recipe: fit, change what trains, compile again, fit again
+    model = compiled(small_bn_model(batchnorm=False))  # freezing alone is measured: the gate decides it all
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert [(option, kept) for option, kept, _ in model.self_measurement] == [("gradient_freeze", False)]
+    assert "switched off in one process before compiling its groups" in capsys.readouterr().out
+    model.layers[1].trainable = False
+    compiled(model)  # a new step, with its freezing on again
+    assert model.self_measurement is None and model.boost_step.freeze.is_on()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert "switched off in one process before compiling its groups" in capsys.readouterr().out
+    assert [(option, kept) for option, kept, _ in model.self_measurement] == [("gradient_freeze", False)]
+    assert not model.boost_step.freeze.is_on()
+
+
 def test_a_fit_long_enough_passes_the_gate_and_freezes_from_there(gate, capsys):
     model = compiled(small_bn_model())
     model.boost_step.freeze.min_saving = -10.0  # once timed, the schedule is kept
