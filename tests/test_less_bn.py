@@ -387,3 +387,13 @@ def test_a_levels_lessbn_warning_points_at_the_users_boostmodel_call():
     with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove") as caught:
         BoostModel(inputs, keras.layers.Dense(3)(inputs), boost_level="O1")
     assert [w.filename for w in caught if "BatchNormalization" in str(w.message)] == [__file__]
+
+
+def test_a_warning_names_the_nested_model_whose_batchnorms_lessbn_cannot_see(resnet50):
+    inputs = keras.Input((32, 32, 3))
+    nested = keras.Model(inputs, keras.layers.Dense(2)(resnet50[0](inputs)))
+    with pytest.warns(UserWarning, match=r"nested model 'resnet50' \(53 BatchNormalization layers\) is one opaque "
+                                         r"layer to LessBN.*input_tensor="):
+        assert LessBN(nested).less_bn_report.num_removed == 0
+    inline = keras.applications.ResNet50(weights=None, include_top=False, input_tensor=keras.Input((32, 32, 3)))
+    assert LessBN(keras.Model(inline.input, inline.output)).less_bn_report.num_removed > 0  # the advice works

@@ -164,9 +164,27 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False):  # noqa: N802 - MindSp
         if fn_flag and fn_needs_removal:
             unchanged += (", without an FN head, and a boost level leaves its gradient centralization off: both "
                           "make up for removed BatchNorms")
-        warnings.warn(f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; {unchanged}.",
-                      stacklevel=2)
+        warnings.warn(f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; {unchanged}."
+                      f"{_nested_hint(model)}", stacklevel=2)
     return result
+
+
+def _nested_hint(model):
+    """A sentence for a model whose BatchNorms sit in nested models (opaque to LessBN), else ''."""
+    from keras_boost._keras_compat import flatten_layers
+
+    nested = {}
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            count = sum(isinstance(inner, _L.BatchNormalization) for inner in flatten_layers(layer))
+            if count:
+                nested[layer.name] = count
+    if not nested:
+        return ""
+    listed = ", ".join(f"'{name}' ({count} BatchNormalization layers)" for name, count in nested.items())
+    return (f" The nested model {listed} is one opaque layer to LessBN: build its layers into this model "
+            "instead (keras.applications take `input_tensor=`, e.g. `base = keras.applications.ResNet50("
+            "include_top=False, input_tensor=inputs)`, then `base.output`) to let LessBN remove its BatchNorms.")
 
 
 def _variable_scope(model):
