@@ -203,6 +203,7 @@ SHARED = {
         ("adasum_training_1", "adasum_training", [1]),
         ("adasum_combine", "adasum_combine", [12]),
         ("compression", "compression", []),
+        ("horovod_example", "horovod_example", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),

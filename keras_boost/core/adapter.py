@@ -72,3 +72,11 @@ class OptimizerAdapter(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
+
+
+def applying_optimizer(optimizer):
+    """The optimizer whose `update_step` runs: through keras_boost's optimizer adapters and
+    Keras' `LossScaleOptimizer`, which hand their updates to `inner_optimizer`."""
+    while isinstance(optimizer, (OptimizerAdapter, keras.optimizers.LossScaleOptimizer)):
+        optimizer = optimizer.inner_optimizer
+    return optimizer

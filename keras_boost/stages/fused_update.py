@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_boost._validation import check_bool
-from keras_boost.core.adapter import OptimizerAdapter
+from keras_boost.core.adapter import applying_optimizer
 from keras_boost.core.contract import Stage
 
 
@@ -81,19 +81,11 @@ class FusedUpdate(Stage):
 _KERNEL_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
-def _applying_optimizer(optimizer):
-    """The optimizer whose `update_step` runs: through keras_boost's optimizer adapters and
-    Keras' `LossScaleOptimizer`, which hand their updates to `inner_optimizer`."""
-    while isinstance(optimizer, (OptimizerAdapter, keras.optimizers.LossScaleOptimizer)):
-        optimizer = optimizer.inner_optimizer
-    return optimizer
-
-
 def why_not_fused(optimizer):
     """None when `optimizer`'s update has a fused kernel here; otherwise a sentence saying why not."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return f"{type(optimizer).__name__} is not a keras.optimizers.Optimizer"
-    optimizer = _applying_optimizer(optimizer)
+    optimizer = applying_optimizer(optimizer)
     kind = type(optimizer)
     if "update_step" in vars(optimizer):
         return f"this {kind.__name__} has an update_step of its own"
@@ -117,7 +109,7 @@ def fused_kernels(optimizer):
     if why_not_fused(optimizer) is not None:
         yield optimizer
         return
-    optimizer = _applying_optimizer(optimizer)
+    optimizer = applying_optimizer(optimizer)
     keras_step = type(optimizer).update_step
     kernel = _sgd_kernel if keras_step is keras.optimizers.SGD.update_step else _adam_kernel
 
