@@ -83,9 +83,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             Functional.__init__(self, *args, **kwargs)
             self.less_bn_report = report
         elif auto_boost is not None and auto_boost.enabled("less_bn"):
-            raise TypeError("boost levels with LessBN rewrite the layer graph: build the BoostModel functionally "
-                            "(BoostModel(inputs, outputs, boost_level=...)), or use boost_level only at compile "
-                            "with less_bn switched off")
+            raise TypeError(f"boost_level={auto_boost.level!r} includes LessBN, which rewrites a graph of layer calls, "
+                            f"and {type(self).__name__} is a subclassed model: build the BoostModel functionally "
+                            "(BoostModel(inputs, outputs, boost_level=...)), or keep the level's other features "
+                            "with LessBN switched off: boost_config={'boost': {'mode': 'manual', 'less_bn': False}}")
         else:
             super().__init__(*args, **kwargs)
         # Boost state is training state, like optimizer slots: kept out of Keras' layer

@@ -1,6 +1,7 @@
 """AutoBoost: levels, modes, config merging, defaults, errors; processing a model for training."""
 
 import json
+import re
 
 import keras
 import numpy as np
@@ -178,3 +179,23 @@ def test_features_list_is_the_seed_subset():
     for feature in FEATURES:  # each is a switch of its own: manual mode turns on exactly it
         auto = AutoBoost("O0", {"boost": {"mode": "manual", feature: True}})
         assert {k for k, v in auto.features.items() if v} == {feature}
+
+
+def test_a_subclassed_boostmodel_at_a_lessbn_level_is_told_what_works():
+    class Net(BoostModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.conv, self.head = keras.layers.Conv2D(4, 3), keras.layers.Dense(3)
+
+        def call(self, x, training=False):
+            return self.head(keras.ops.mean(keras.ops.relu(self.conv(x)), axis=(1, 2)))
+
+    with pytest.raises(TypeError, match=r"boost_level='O1' includes LessBN.*Net is a subclassed model") as error:
+        Net(boost_level="O1")
+    advice = eval(re.search(r"boost_config=(\{.*\})$", str(error.value)).group(1))  # the advice, as printed
+    model = Net(boost_level="O1", boost_config=advice)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert model.boost_step.freeze is not None  # the level's other features stay on
+    x = np.random.default_rng(0).random((32, 8, 8, 1), dtype=np.float32)
+    model.fit(x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
