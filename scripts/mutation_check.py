@@ -171,6 +171,17 @@ BREAKS = (
           "                logs[name] = float(value.numpy())",
           "                pass",
           ("tests/test_horovod_callbacks.py::test_metric_average_callback_averages_a_plain_keras_models_logs",)),
+    Break("freeze_gate_skips_unknown_length", "in a fit of unknown length the gate lets the groups compile unmeasured",
+          "keras_boost/step/tuning.py",
+          '        self._epoch_steps = self.params.get("steps") if self.params else None  # None: learnt at the first epoch\'s end',
+          '        self._epoch_steps = self.params.get("steps") if self.params else None\n'
+          '        if self._epoch_steps is None:\n            return',
+          ("tests/test_self_measurement.py::test_in_a_fit_of_unknown_length_the_gate_holds_the_first_epoch",)),
+    Break("freeze_gate_forgets_compilation", "a later gate takes a first step that compiled nothing as the compilation",
+          "keras_boost/step/tuning.py",
+          '        local = {"first": max(gate[0], self._first_step), "step": statistics.median(gate[1:])}',
+          '        local = {"first": gate[0], "step": statistics.median(gate[1:])}',
+          ("tests/test_self_measurement.py::test_a_fit_that_ends_inside_the_gate_leaves_the_next_fit_to_gate",)),
     Break("fingerprint_ignored", "workers with different configurations are not refused at fit start",
           "keras_boost/distributed/data_sync.py",
           "    if differences:\n        raise ValueError(",
@@ -386,8 +397,8 @@ BREAKS = (
           ("tests/test_self_measurement.py::test_a_fit_long_enough_passes_the_gate_and_freezes_from_there",)),
     Break("freeze_gate_mid_window", "the gate changes freezing's group inside a gradient accumulation window",
           "keras_boost/step/tuning.py",
-          "if len(self._gate) >= self.gate_steps and self._at_boundary():",
-          "if len(self._gate) >= self.gate_steps:",
+          "if len(self._gate) >= self.gate_steps and self._epoch_steps is not None and self._at_boundary():",
+          "if len(self._gate) >= self.gate_steps and self._epoch_steps is not None:",
           ("tests/test_self_measurement.py::test_with_accumulation_the_gate_changes_freezing_only_between_windows",)),
 )
 

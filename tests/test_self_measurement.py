@@ -304,15 +304,41 @@ def test_with_accumulation_the_gate_changes_freezing_only_between_windows(gate, 
     assert all(np.isfinite(np.array(w)).all() for w in model.trainable_weights)
 
 
-def test_the_gate_waits_for_a_fit_of_unknown_length(gate):
+@pytest.mark.parametrize("epochs, kept", [(2, False), (1000, True)])
+def test_in_a_fit_of_unknown_length_the_gate_holds_the_first_epoch(gate, capsys, epochs, kept):
     model = compiled(small_bn_model())
+    model.boost_step.freeze.min_saving = -10.0  # once timed, the schedule is kept
     x, y = data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)  # unknown length
     assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = len(groups.groups) == 30
+
     groups = Groups()
-    model.fit(dataset, epochs=2, verbose=0, callbacks=[groups])
-    schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
-    assert groups.groups == schedule[:24]  # not held back: the groups may pay in a fit this long
+    model.fit(dataset, epochs=epochs, verbose=0, callbacks=[groups, StopAt()])
+    out = capsys.readouterr().out
+    assert groups.groups[:STEPS] == [0] * STEPS  # the whole first epoch held back: its length was unknown
+    if kept:  # 999 epochs of 12 steps left: on from the sequence's start
+        assert "before compiling its groups" not in out
+        schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+        assert groups.groups[STEPS:] == schedule[:len(groups.groups) - STEPS]
+    else:  # the 12 steps left cannot repay three compilations; the line counts them
+        assert "the 12 steps left of this fit could save at most" in out
+        assert set(groups.groups) == {0} and model.train_function.traced_groups() == [0]
+    assert model.boost_step.freeze.is_on() == kept
+
+
+def test_a_fit_that_ends_inside_the_gate_leaves_the_next_fit_to_gate(gate, capsys):
+    model = compiled(small_bn_model())
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)
+    model.fit(dataset, epochs=1, verbose=0)  # one epoch of unknown length: it ends inside the gate
+    assert model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0)  # known length: gated again, and switched off
+    assert "switched off in one process before compiling its groups" in capsys.readouterr().out
+    assert not model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
 
 
 def test_two_workers_pass_the_gate_together():

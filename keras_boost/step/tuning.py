@@ -23,8 +23,13 @@ ahead), which time the first step (it compiles the full step) and the steps afte
 even an optimistic saving (the whole backward pass, `BACKWARD_SHARE` of a step, on every
 partial step of the schedule) over the fit's remaining steps stays below one compilation
 like the full step's per partial group, freezing is switched off for this model with one
-line and its numbers; otherwise it goes on as the schedule says. A fit of unknown length
-(a `tf.data` pipeline without a cardinality) skips the gate.
+line and its numbers; otherwise it goes on as the schedule says. In a fit of unknown length
+(a `tf.data` pipeline without a cardinality, a generator) the gate holds freezing back for
+the whole first epoch, which gives the epoch's length (the same on every worker: uneven
+data ends every worker's epoch at the same step), and decides at its end. A fit that ends
+inside the gate (in its first `gate_steps` steps, or in its only epoch of unknown length)
+leaves freezing as configured, and the next fit gates again, its compilation estimate
+taken from the earlier fit's first step (the next fit's first step compiles nothing).
 
 Once every branch has been timed often enough, the workers average their numbers (one small
 allgather, at the same batch on every worker, so every worker takes the same decision), each
@@ -85,6 +90,9 @@ class SelfMeasurement(keras.callbacks.Callback):
         self._gate = None  # the times of the gate's steps while it holds freezing back
         self._gated = None  # freezing's decision at the gate, when it switched freezing off
         self._gate_passed = False
+        self._epoch_steps = None  # the fit's steps per epoch, once known
+        self._epoch_start = 0
+        self._first_step = 0.0  # the first step of an earlier fit that ended inside the gate
 
     @property
     def decided(self):
@@ -107,8 +115,7 @@ class SelfMeasurement(keras.callbacks.Callback):
         if not self.gate or self.decided or self._gate_passed or freeze is None or freeze not in self.stages:
             return
         self._gate_passed = True  # one gate per model: a later fit goes on from the decision
-        if not self.params or self.params.get("steps") is None:
-            return  # the fit's length is unknown (the same on every worker)
+        self._epoch_steps = self.params.get("steps") if self.params else None  # None: learnt at the first epoch's end
         if not self._at_boundary():
             return  # a fit that starts inside an accumulation window (a resumed one) keeps its group
         freeze.switch_off()  # held back: full steps while the gate times them
@@ -118,10 +125,16 @@ class SelfMeasurement(keras.callbacks.Callback):
         self._first_of_epoch = True
         if self._first_epoch is None:
             self._first_epoch = epoch
+        self._epoch_start = self._steps_run
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._gate is not None and self._epoch_steps is None:  # a fit of unknown length: now it is known
+            self._epoch_steps = self._steps_run - self._epoch_start
+            if epoch + 1 < self.params["epochs"]:  # after the fit's last epoch, on_train_end leaves it to the next fit
+                self._try_closing_gate()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._start = None
-        self._steps_run += 1
         if self._gate is not None:
             self._start = time.perf_counter()
             self._first_of_epoch = False
@@ -139,12 +152,12 @@ class SelfMeasurement(keras.callbacks.Callback):
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
+        self._steps_run += 1  # counted when run: with data of unknown length, the epoch's last begin runs no step
         if self._start is None:
             return
         if self._gate is not None:
             self._gate.append(time.perf_counter() - self._start)
-            if len(self._gate) >= self.gate_steps and self._at_boundary():
-                self._close_gate()
+            self._try_closing_gate()
             return
         self.times.setdefault(self._branch, []).append(time.perf_counter() - self._start)
         needed = self._needed()
@@ -156,9 +169,17 @@ class SelfMeasurement(keras.callbacks.Callback):
         between windows (a window trains one group; its accumulators are read and reset by group)."""
         return self.model.boost_step.at_window_boundary()
 
+    def _try_closing_gate(self):
+        """Closes the gate once it has timed enough steps, knows the fit's length and no window is open."""
+        if len(self._gate) >= self.gate_steps and self._epoch_steps is not None and self._at_boundary():
+            self._close_gate()
+
     def on_train_end(self, logs=None):
-        if self._gate is not None:  # the fit ended inside the gate: freezing goes on as configured
+        if self._gate is not None:  # the fit ended inside the gate: freezing as configured, the next fit gates
+            if self._gate:  # its first step compiled the full step; the next fit's first step will not
+                self._first_step = max(self._first_step, self._gate[0])
             self._gate = None
+            self._gate_passed = False
             self.model.boost_step.freeze.switch.assign(True)
         if not self.decided and not self._told and self.verbose and distributed.rank() == 0:
             self._told = True
@@ -171,7 +192,8 @@ class SelfMeasurement(keras.callbacks.Callback):
     def _close_gate(self):
         """Whether the freeze groups could pay back their compilation in what is left of this fit."""
         gate, self._gate = self._gate, None
-        local = {"first": gate[0], "step": statistics.median(gate[1:])}  # the same count on every worker
+        # the same count on every worker; the first step that compiled may have been an earlier fit's
+        local = {"first": max(gate[0], self._first_step), "step": statistics.median(gate[1:])}
         measured = _every_worker(local, "keras_boost_freeze_gate")
         first = statistics.fmean(m["first"] for m in measured)
         step = statistics.fmean(m["step"] for m in measured)
@@ -180,7 +202,7 @@ class SelfMeasurement(keras.callbacks.Callback):
         freeze = self.model.boost_step.freeze
         shares = freeze.shares()
         partial = sorted(g for g in shares if g != 0)
-        left = (self.params["epochs"] - (self._first_epoch or 0)) * self.params["steps"] - self._steps_run
+        left = (self.params["epochs"] - (self._first_epoch or 0)) * self._epoch_steps - self._steps_run
         saving = max(left, 0) * (1.0 - shares.get(0, 0.0)) * BACKWARD_SHARE * step
         compiling = len(partial) * max(first - step, 0.0)
         if saving >= compiling:
