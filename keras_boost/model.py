@@ -341,7 +341,7 @@ def _rewritten_graph(auto_boost, args, kwargs):
     with warnings.catch_warnings(record=True) as caught:  # LessBN's warnings, shown at the user's BoostModel(...)
         warnings.simplefilter("always")
         rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
-                           fn_needs_removal=auto_boost.measured("less_bn"))
+                           fn_needs_removal=auto_boost.measured("less_bn"), share_layers=True)
     for caught_warning in caught:
         warnings.warn(caught_warning.message, caught_warning.category, stacklevel=3)
     return (rewritten.inputs, rewritten.outputs, *args[2:]), kwargs, rewritten.less_bn_report

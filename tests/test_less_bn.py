@@ -397,3 +397,57 @@ def test_a_warning_names_the_nested_model_whose_batchnorms_lessbn_cannot_see(res
         assert LessBN(nested).less_bn_report.num_removed == 0
     inline = keras.applications.ResNet50(weights=None, include_top=False, input_tensor=keras.Input((32, 32, 3)))
     assert LessBN(keras.Model(inline.input, inline.output)).less_bn_report.num_removed > 0  # the advice works
+
+
+class _NoConfig(keras.layers.Layer):
+    """A keras-io style custom layer: its own arguments, no get_config, no **kwargs."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def call(self, x):
+        return x * self.scale
+
+
+def _transfer_model():
+    """The keras-io transfer-learning shape: a nested base (frozen), a custom layer, a residual block, a head."""
+    base = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, padding="same"), BN(),
+                             keras.layers.ReLU()], name="base")
+    base.trainable = False
+    inputs = keras.Input((8, 8, 3))
+    h = _conv_bn_relu(_NoConfig(0.5)(base(inputs, training=False)), 4, 3, "stem")
+    y = _conv_bn_relu(h, 4, 3, "a")
+    y = BN(name="b_bn")(keras.layers.Conv2D(4, 3, padding="same", name="b_conv")(y))
+    h = keras.layers.Add()([h, y])
+    head = keras.layers.Dense(3, name="head")
+    return base, head, inputs, head(keras.layers.GlobalAveragePooling2D()(h))
+
+
+def test_a_boost_level_trains_the_users_own_layers():
+    from keras_boost import BoostModel
+
+    base, head, inputs, outputs = _transfer_model()
+    model = BoostModel(inputs, outputs, boost_level="O1")
+    assert model.less_bn_report.num_removed == 1  # a_bn: the residual branch keeps its last BN
+    kept = [layer for layer in model.layers if not isinstance(layer, (keras.layers.InputLayer, FNHead))]
+    assert any(layer is base for layer in kept)  # the user's objects, not copies
+    frozen = len(model.trainable_weights)
+    base.trainable = True  # the keras-io fine-tuning step, on the user's reference
+    assert len(model.trainable_weights) == frozen + 4  # the base's conv kernel, bias, BN gamma, beta
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((16, 8, 8, 3), dtype=np.float32)
+    kernel = base.layers[0].kernel.numpy().copy()
+    model.fit(x, np.arange(16) % 3, batch_size=8, epochs=1, verbose=0)
+    assert not np.array_equal(base.layers[0].kernel.numpy(), kernel)  # fit trained the user's base
+
+
+def test_a_layer_that_cannot_be_copied_is_named_with_what_to_do():
+    _, _, inputs, outputs = _transfer_model()
+    with pytest.raises(TypeError, match=r"(?s)layer '.*' \(_NoConfig\) cannot be rebuilt from its config.*"
+                                        r"share_layers=True"):
+        LessBN(keras.Model(inputs, outputs))
+    shared = LessBN(keras.Model(inputs, outputs), share_layers=True)
+    assert shared.less_bn_report.num_removed == 1
+    with pytest.raises(TypeError, match="`share_layers` must be a bool"):
+        LessBN(keras.Model(inputs, outputs), share_layers="yes")

@@ -41,7 +41,9 @@ is dropped as in MindSpore, and a non-linear activation is kept as an `Activatio
 layer after the head.
 
 The input model is never changed: kept layers are fresh copies (same class, config,
-name, weights and variable paths) so training the result leaves the input alone. The result is
+name, weights and variable paths) so training the result leaves the input alone; with
+`share_layers=True` (what a `BoostModel` at a boost level uses) the result calls the
+input's own layer objects instead. The result is
 uncompiled; it has the input model's class when that class can be built from
 `(inputs, outputs, name=...)`, otherwise it is a plain functional `keras.Model`
 (always for Sequential inputs). A model with nothing to remove comes back as such a
@@ -118,7 +120,7 @@ class LessBNReport:
         )
 
 
-def LessBN(model, fn_flag=False, fn_needs_removal=False):  # noqa: N802 - MindSpore's name
+def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False):  # noqa: N802 - MindSpore's name
     """Returns a copy of a functional or Sequential model without redundant BNs.
 
     See the module docstring for the rules. The result carries a `LessBNReport` as
@@ -133,6 +135,11 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False):  # noqa: N802 - MindSp
             result is the same graph as `model`). Boost levels pass True unless the
             configuration gives the `less_bn` section. Defaults to `False` (MindSpore's:
             `fn_flag` alone decides).
+        share_layers: bool, keras_boost's: the result calls `model`'s own layer objects
+            (kept layers are not copied), so it trains their weights, and what is done to
+            them afterwards (`layer.trainable = False`, a nested base unfrozen for fine-tuning)
+            applies to it. `BoostModel(inputs, outputs, boost_level=...)` passes True: the
+            layers are the user's. Defaults to `False` (MindSpore's: a new network).
 
     Returns:
         A new, uncompiled model sharing no layer with `model`.
@@ -148,13 +155,15 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False):  # noqa: N802 - MindSp
         raise TypeError(f"`fn_flag` must be a bool (True or False), got {fn_flag!r}.")
     if not isinstance(fn_needs_removal, bool):
         raise TypeError(f"`fn_needs_removal` must be a bool (True or False), got {fn_needs_removal!r}.")
+    if not isinstance(share_layers, bool):
+        raise TypeError(f"`share_layers` must be a bool (True or False), got {share_layers!r}.")
     view = _graph_view(model)
     graph = _Graph(view.outputs)
     removed_nodes = _plan_removals(graph)
     removed_layers = _removed_layers(graph, removed_nodes)
     heads = _head_denses(graph, model.name) if fn_flag and (removed_layers or not fn_needs_removal) else []
     with _variable_scope(model):
-        clone = _rebuild(view, removed_layers, heads)
+        clone = _rebuild(view, removed_layers, heads, share_layers)
     result = _with_class_of(model, clone)
     result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
@@ -457,8 +466,9 @@ def fn_head_scale(classes):
     return float(FN_SCALE)
 
 
-def _rebuild(view, removed_layers, heads):
-    """Clones `view` call by call: removed BNs become identity, heads become FNHead."""
+def _rebuild(view, removed_layers, heads, share_layers=False):
+    """Clones `view` call by call: removed BNs become identity, heads become FNHead, kept layers
+    copies (or, with `share_layers`, the same layer objects)."""
     head_ids = {id(head) for head in heads}
     copies, activations = [], {}
 
@@ -472,7 +482,17 @@ def _rebuild(view, removed_layers, heads):
                     layer.activation, name=f"{layer.name}_activation"
                 )
             return head
-        copy = layer.__class__.from_config(layer.get_config())
+        if share_layers:
+            return layer
+        try:
+            copy = layer.__class__.from_config(layer.get_config())
+        except (TypeError, ValueError, NotImplementedError) as error:
+            raise TypeError(
+                f"LessBN copies every kept layer from its config, and layer '{layer.name}' "
+                f"({type(layer).__name__}) cannot be rebuilt from its config: {error}. Give the class a "
+                "get_config() that returns its constructor's arguments (and accept **kwargs in __init__), or "
+                "pass share_layers=True (BoostModel(inputs, outputs, boost_level=...) does) to keep the layer "
+                "objects themselves.") from error
         copies.append((layer, copy))
         return copy
 
