@@ -75,14 +75,14 @@ def _assert_same_function_without_removed_bns(model, lean, output=None):
 
 
 def _randomize_bns(model, seed=0):
-    """Gives every BN trained-looking statistics: with the initial ones (mean 0, variance 1,
-    beta 0) MobileNetV2's pooled features collapse to a spread of ~5e-12 in inference."""
+    """Gives every BN a random scale and offset: with the initial ones (gamma 1, beta 0)
+    MobileNetV2's pooled features collapse to a spread of ~5e-12 in inference. The moving
+    statistics stay new (mean 0, variance 1): LessBN keeps a BN whose statistics were learnt."""
     rng = np.random.default_rng(seed)
     for layer in model.layers:
         if isinstance(layer, BN):
             n = layer.gamma.shape[0]
-            layer.set_weights([rng.uniform(0.5, 1.5, n), rng.uniform(0.0, 0.5, n), rng.normal(0.0, 0.1, n),
-                               rng.uniform(0.5, 1.5, n)])
+            layer.set_weights([rng.uniform(0.5, 1.5, n), rng.uniform(0.0, 0.5, n), np.zeros(n), np.ones(n)])
 
 
 def _assert_kept_weights_equal(model, lean):
@@ -451,3 +451,32 @@ def test_a_layer_that_cannot_be_copied_is_named_with_what_to_do():
     assert shared.less_bn_report.num_removed == 1
     with pytest.raises(TypeError, match="`share_layers` must be a bool"):
         LessBN(keras.Model(inputs, outputs), share_layers="yes")
+
+
+def test_batchnorms_that_hold_what_they_learnt_are_kept():
+    from keras_boost import BoostModel
+    from keras_boost.app.demo_net import demo_resnet
+
+    fresh = LessBN(demo_resnet(model_class=keras.Model)).less_bn_report
+    assert fresh.num_removed == 5 and fresh.held == {}
+    # "pretrained": one step of plain Keras moves every BatchNorm's moving statistics
+    base = demo_resnet(model_class=keras.Model)
+    base.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
+    base.fit(x, np.arange(8) % 10, batch_size=8, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match=r"LessBN kept 5 BatchNormalization layers .* that its rules would remove, "
+                                         r"because they hold what they learnt \(moving statistics no longer"):
+        model = BoostModel(base.inputs, base.outputs, boost_level="O1")
+    report = model.less_bn_report
+    assert report.num_removed == 0 and set(report.held) == set(fresh.removed)
+    assert set(report.held.values()) == {"trained"} and set(report.held) <= set(report.kept)
+    # the same function (same layers, same order; two compiled graphs, so within float rounding)
+    np.testing.assert_allclose(model.predict(x, verbose=0), base.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # frozen: trainable=False, with statistics still new
+    frozen = demo_resnet(model_class=keras.Model)
+    for layer in frozen.layers:
+        if isinstance(layer, BN):
+            layer.trainable = False
+    with pytest.warns(UserWarning, match=r"frozen: trainable=False"):
+        held = LessBN(frozen).less_bn_report.held
+    assert held == {name: "frozen" for name in fresh.removed}

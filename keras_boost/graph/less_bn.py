@@ -31,7 +31,10 @@ apply to any functional or Sequential model. A BatchNormalization (BN) call is r
    every dense layer loses exactly one BN.
 
 The stem BN, the BN every other BN depends on, is never removed, so a network never
-loses its first normalisation. A layer called more than once is removed only when
+loses its first normalisation. Nor is a BN that holds what it learnt: a frozen one
+(`trainable=False`), or one whose moving statistics are no longer their initial values
+(pretrained or trained weights; LessBN is for training from scratch): without it the
+network would compute something else, so it is kept, with one warning naming it. A layer called more than once is removed only when
 every one of its calls is marked. A nested model is one opaque layer: it is copied
 whole, BNs included.
 
@@ -58,6 +61,7 @@ import logging
 import warnings
 
 import keras
+import numpy as np
 
 from keras_boost._keras_compat import Functional, inbound_node
 from keras_boost.graph.layers import FNHead
@@ -97,11 +101,15 @@ class LessBNReport:
         kept: names of the BN layers left in the model, in graph order.
         fn_heads: names of the Dense layers replaced by `FNHead` (empty without
             `fn_flag`).
+        held: BN layer name -> why it was kept although a rule marks it (`"frozen"`: not
+            trainable; `"trained"`: its moving statistics are no longer their initial
+            values, as in pretrained weights); these names are in `kept` too.
     """
 
     removed: dict
     kept: tuple
     fn_heads: tuple = ()
+    held: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_removed(self):
@@ -159,14 +167,22 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False):  #
         raise TypeError(f"`share_layers` must be a bool (True or False), got {share_layers!r}.")
     view = _graph_view(model)
     graph = _Graph(view.outputs)
-    removed_nodes = _plan_removals(graph)
+    removed_nodes, held = _plan_removals(graph)
     removed_layers = _removed_layers(graph, removed_nodes)
     heads = _head_denses(graph, model.name) if fn_flag and (removed_layers or not fn_needs_removal) else []
     with _variable_scope(model):
         clone = _rebuild(view, removed_layers, heads, share_layers)
     result = _with_class_of(model, clone)
-    result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads)
+    result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads, held)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
+    if held:
+        reasons = sorted(set(held.values()))
+        warnings.warn(
+            f"LessBN kept {len(held)} BatchNormalization layers of model '{model.name}' that its rules would remove, "
+            f"because they hold what they learnt ({' and '.join(_HELD_WHY[r] for r in reasons)}): without them the "
+            f"network would compute something else. First ones: {', '.join(list(held)[:4])}. LessBN is for "
+            "training from scratch: apply it (or the boost level) to a model whose BatchNorms are new.",
+            stacklevel=2)
     if not removed_layers:
         unchanged = ("the result is a copy of the same graph" if not heads else
                      "the result is a copy of the same graph with an FN head")
@@ -414,13 +430,48 @@ def _stem_bn(graph):
 
 
 def _plan_removals(graph):
-    """BN node index -> rule name, for every BN call a rule marks."""
-    removed = {}
+    """(BN node index -> rule name, for every BN call a rule marks and that may go;
+    BN layer name -> why it stays although a rule marks it)."""
+    removed, held = {}, {}
     for rule in _RULES:
         for bn, name in rule(graph):
             removed.setdefault(bn, name)
     removed.pop(_stem_bn(graph), None)
-    return dict(sorted(removed.items()))
+    for bn in list(removed):
+        why = _holds_what_it_learnt(graph.layer(bn))
+        if why is not None:
+            held[graph.layer(bn).name] = why
+            del removed[bn]
+    return dict(sorted(removed.items())), held
+
+
+_HELD_WHY = {"frozen": "frozen: trainable=False", "trained": "moving statistics no longer at their initial values: "
+             "pretrained or trained weights"}
+
+
+def _holds_what_it_learnt(bn):
+    """Why a BN must stay whatever the rules say, or None: it is frozen, or its moving statistics
+    are no longer their initial values (pretrained or trained weights)."""
+    if not bn.trainable:
+        return "frozen"
+    for variable, initializer in ((bn.moving_mean, bn.moving_mean_initializer),
+                                  (bn.moving_variance, bn.moving_variance_initializer)):
+        start = _constant_of(initializer)
+        if start is not None and not np.all(keras.ops.convert_to_numpy(variable) == start):
+            return "trained"
+    return None
+
+
+def _constant_of(initializer):
+    """The value a constant initializer (zeros, ones, a constant) fills with; None for any other."""
+    initializer = keras.initializers.get(initializer)
+    if isinstance(initializer, keras.initializers.Zeros):
+        return 0.0
+    if isinstance(initializer, keras.initializers.Ones):
+        return 1.0
+    if isinstance(initializer, keras.initializers.Constant):
+        return float(initializer.value)
+    return None
 
 
 def _removed_layers(graph, removed_nodes):
@@ -523,7 +574,7 @@ def _with_class_of(model, clone):
     return cls(clone.input, clone.output, name=model.name)
 
 
-def _report(graph, removed_nodes, removed_layers, heads):
+def _report(graph, removed_nodes, removed_layers, heads, held=None):
     removed, kept = {}, []
     for i in graph.bns():
         layer = graph.layer(i)
@@ -531,4 +582,4 @@ def _report(graph, removed_nodes, removed_layers, heads):
             removed.setdefault(layer.name, removed_nodes[i])
         elif layer.name not in kept:
             kept.append(layer.name)
-    return LessBNReport(removed=removed, kept=tuple(kept), fn_heads=tuple(h.name for h in heads))
+    return LessBNReport(removed=removed, kept=tuple(kept), fn_heads=tuple(h.name for h in heads), held=dict(held or {}))
