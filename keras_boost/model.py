@@ -229,7 +229,9 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
     def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.distributed import dropin
-        from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback, NonFiniteGuard
+        from keras_boost.distributed.callbacks import (AverageBatchNormStatistics, BroadcastGlobalVariablesCallback,
+                                                       NonFiniteGuard)
+        from keras_boost.distributed.elastic import elastic_launch
 
         callbacks = list(callbacks or [])
         if self.boost_step is not None and self.boost_step.nan_guard:
@@ -239,6 +241,9 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             callbacks.insert(0, measurement)
         if distributed.size() > 1 and not any(isinstance(c, BroadcastGlobalVariablesCallback) for c in callbacks):
             callbacks.insert(0, BroadcastGlobalVariablesCallback(root_rank=0))
+        if distributed.size() > 1 and not elastic_launch() and \
+                not any(isinstance(c, AverageBatchNormStatistics) for c in callbacks):
+            callbacks.insert(0, AverageBatchNormStatistics())  # first at each epoch's end: checkpoints see it
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
         kwargs, args = _fit_arguments(args, kwargs), ()
         if distributed.size() > 1:

@@ -204,6 +204,7 @@ SHARED = {
         ("adasum_combine", "adasum_combine", [12]),
         ("compression", "compression", []),
         ("horovod_example", "horovod_example", []),
+        ("batchnorm_stats", "batchnorm_stats", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),

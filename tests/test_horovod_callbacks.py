@@ -102,3 +102,16 @@ def test_metric_average_callback_averages_a_plain_keras_models_logs():
             for name, value in logs.items():
                 assert value == pytest.approx((local[0][epoch][name] + local[1][epoch][name]) / 2, rel=1e-6), name
     assert found[0]["plain"]["averaged"] == found[1]["plain"]["averaged"]
+
+
+def test_batchnorm_statistics_are_averaged_at_each_epochs_end():
+    found = shared("gloo", "batchnorm_stats")
+    r0, r1 = found[0], found[1]
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    for epoch in range(2):
+        local = [np.concatenate([np.ravel(v) for v in r["before"][epoch]]) for r in (r0, r1)]
+        assert np.max(np.abs(local[0] - local[1])) > 1e-3  # each rank's own batches: apart before the average
+        averaged = [np.concatenate([np.ravel(v) for v in r["after"][epoch]]) for r in (r0, r1)]
+        np.testing.assert_array_equal(averaged[0], averaged[1])  # the same model on every rank
+        np.testing.assert_allclose(averaged[0], (local[0] + local[1]) / 2, rtol=1e-6)  # their mean
+    assert r0["default"] == r1["default"]  # BoostModel.fit averages them by itself
