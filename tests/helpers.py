@@ -33,3 +33,14 @@ def weights(model):
 
 def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+class LearningRates(keras.callbacks.Callback):
+    """The optimizer's learning rate after every training batch (the rate that batch used)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from keras_boost import BoostModel, callbacks
+from tests.helpers import LearningRates
 from tests.launch import shared
 
 BATCH, STEPS, EPOCHS, WARMUP_EPOCHS = 8, 4, 3, 2
@@ -38,15 +39,6 @@ def _numpy_warmup(correction):
     return w, rates
 
 
-class Rates(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.rates = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
-
-
 @pytest.mark.parametrize("model_class", [keras.Model, BoostModel])
 @pytest.mark.parametrize("correction", [True, False])
 def test_warmup_with_momentum_correction_equals_numpy(model_class, correction):
@@ -54,7 +46,7 @@ def test_warmup_with_momentum_correction_equals_numpy(model_class, correction):
     inputs = keras.Input((3,))
     model = model_class(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs))
     model.compile(optimizer=keras.optimizers.SGD(LR, momentum=MOMENTUM), loss="mse")
-    rates = Rates()
+    rates = LearningRates()
     warmup = callbacks.LearningRateWarmupCallback(initial_lr=LR, warmup_epochs=WARMUP_EPOCHS,
                                                   momentum_correction=correction, start_factor=START)
     model.fit(x.astype("float32"), y.astype("float32"), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,

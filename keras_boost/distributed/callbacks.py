@@ -203,6 +203,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._factor0 = self.start_factor if self.start_factor is not None else 1.0 / distributed.size()
         self._steps = self._warmup_steps()
         self._last_step = None
+        self._scale_momentums = None  # a recompiled model has new momentum variables
         schedule = _keras_compat.learning_rate_schedule(optimizer)
         if schedule is not None:
             self._original_schedule = schedule

@@ -24,17 +24,9 @@ import tensorflow as tf
 import keras_boost
 from keras_boost import distributed
 from keras_boost.app.data import load_fashion_mnist
+from tests.helpers import LearningRates
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 4, 16, 64
-
-
-class Rates(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.rates = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
 
 
 class Logs(keras.callbacks.Callback):
@@ -70,7 +62,7 @@ def example():
     scaled_lr = 0.001 * size
     mnist_model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer=keras.optimizers.Adam(scaled_lr),
                         metrics=["accuracy"])
-    rates = Rates()
+    rates = LearningRates()
     checkpoints = tempfile.mkdtemp(prefix=f"kb_hvd_example_{rank}_")
     cbs = [
         keras_boost.callbacks.BroadcastGlobalVariablesCallback(0),
