@@ -157,6 +157,12 @@ def inbound_node(tensor):
     return operation._inbound_nodes[node_index]
 
 
+def functional_structure(model):
+    """A functional model's (inputs, outputs) as given to its constructor: a dict, list or
+    tensor, not the flat lists of `model.inputs`/`model.outputs`. Since Keras 3.0."""
+    return model._inputs_struct, model._outputs_struct
+
+
 def learning_rate_schedule(optimizer):
     """The optimizer's schedule object, or None for a fixed rate.
 

@@ -28,17 +28,19 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     0 when `fit` starts, the epoch logs of `fit` and `evaluate` are averaged across
     workers, and the progress bar is shown on rank 0 only.
 
-    Boost options of `compile` (all off by default):
+    Boost options of `compile` (all off by default; at a boost level, False switches off
+    the level's stage of that option):
         sens: scale of the loss gradient (MindSpore's `sens`), default 1.0.
         loss_scale: None or "auto" (dynamic scaling under the `mixed_float16` policy,
-            none otherwise), "dynamic", a number or scalar tensor (fixed), or a
+            none otherwise), False (none), "dynamic", a number or scalar tensor (fixed), or a
             `DynamicLossScale` / `FixedLossScale`.
-        gradient_accumulation: micro-batches per update (int) or a `GradientAccumulation`.
-        gradient_freeze: a `GradientFreeze` (turned into groups of this model) or a `FreezeOpt`.
+        gradient_accumulation: micro-batches per update (int), a `GradientAccumulation`, or False.
+        gradient_freeze: True (a `GradientFreeze` with MindSpore's defaults), a `GradientFreeze`
+            (turned into groups of this model), a `FreezeOpt`, or False.
         gradient_centralization: True or "mindspore" (MindSpore's rule: conv/dense kernels
             whose input channels are a multiple of 16), "all" (the keras-io recipe: every
             gradient of rank 2 or more), or a `GradientCentralization`.
-        adasum: True, or an `AdaSum` stage.
+        adasum: True, or an `AdaSum` stage (False: off).
         nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
             update whose averaged gradient is not finite, before it reaches the weights
             (default True; False applies it anyway, like plain Keras).
@@ -79,8 +81,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             registry.validate_level(auto_boost)
         if isinstance(self, Functional):
             Trainer.__init__(self)
-            args, kwargs, report = _rewritten_graph(auto_boost, args, kwargs)
+            args, kwargs, report, output_names = _rewritten_graph(auto_boost, args, kwargs)
             Functional.__init__(self, *args, **kwargs)
+            if output_names is not None:  # the user's graph's names, whatever layer now ends an output
+                self.output_names = output_names
             self.less_bn_report = report
         elif auto_boost is not None and auto_boost.enabled("less_bn"):
             raise TypeError(f"boost_level={auto_boost.level!r} includes LessBN, which rewrites a graph of layer calls, "
@@ -118,6 +122,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 if name != covered and given.get(name) is None:
                     given[name] = value
                     from_level.add(name)
+        _check_fn_head_losses(self, loss)
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
@@ -135,13 +140,19 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         config = super().get_config()
         if self.auto_boost is not None:
             config["auto_boost"] = self.auto_boost.get_config()
+        names = getattr(self, "output_names", None)
+        if isinstance(self, Functional) and names and names != [t._keras_history[0].name for t in self.outputs]:
+            config["output_names"] = list(names)  # LessBN's FN head ends an output in a new layer
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         auto_boost = config.pop("auto_boost", None)
+        output_names = config.pop("output_names", None)
         model = super().from_config(config, custom_objects=custom_objects)  # the graph is already rewritten
+        if output_names is not None:
+            model.output_names = list(output_names)
         if auto_boost is not None:
             model.auto_boost = BoostConfig(**auto_boost)
         return model
@@ -337,7 +348,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 def _rewritten_graph(auto_boost, args, kwargs):
     """The functional (inputs, outputs) after the level's LessBN rewrite, and its report."""
     if auto_boost is None or not auto_boost.enabled("less_bn"):
-        return args, kwargs, None
+        return args, kwargs, None, None
     from keras_boost.graph.less_bn import LessBN
 
     kwargs = dict(kwargs)
@@ -346,10 +357,60 @@ def _rewritten_graph(auto_boost, args, kwargs):
     with warnings.catch_warnings(record=True) as caught:  # LessBN's warnings, shown at the user's BoostModel(...)
         warnings.simplefilter("always")
         rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
-                           fn_needs_removal=auto_boost.measured("less_bn"), share_layers=True)
+                           fn_needs_removal=auto_boost.measured("less_bn"), share_layers=True,
+                           fn_outputs="classifiers" if auto_boost.measured("less_bn") else "all")
     for caught_warning in caught:
         warnings.warn(caught_warning.message, caught_warning.category, stacklevel=3)
-    return (rewritten.inputs, rewritten.outputs, *args[2:]), kwargs, rewritten.less_bn_report
+    inputs, outputs = _keras_compat.functional_structure(rewritten)  # the user's dict or list, not flattened
+    return (inputs, outputs, *args[2:]), kwargs, rewritten.less_bn_report, list(rewritten.output_names)
+
+
+_REGRESSION_LOSSES = {"mean_squared_error", "mse", "mean_absolute_error", "mae", "mean_absolute_percentage_error",
+                      "mape", "mean_squared_logarithmic_error", "msle", "huber", "huber_loss", "log_cosh", "logcosh"}
+
+
+def _loss_name(loss):
+    if isinstance(loss, str):
+        return loss
+    fn = getattr(loss, "fn", loss)  # a Keras Loss wraps its function
+    return getattr(fn, "__name__", None)
+
+
+def _linear_fn_head_outputs(model):
+    """{output index: FN head name} for the outputs an FN head produces directly (no activation
+    after it: the output is the head's bounded cosine logits)."""
+    from keras_boost.graph.layers import FNHead
+
+    return {index: tensor._keras_history[0].name for index, tensor in enumerate(model.outputs)
+            if isinstance(tensor._keras_history[0], FNHead)}
+
+
+def _check_fn_head_losses(model, loss):
+    """A level's FN head is a cosine-similarity classifier, its outputs within ±multiplier: a
+    regression loss on one without an activation after it gets a warning at compile (a
+    regression with two or more units looks like a classifier when the graph is rewritten)."""
+    report = getattr(model, "less_bn_report", None)
+    if report is None or not report.fn_heads or loss is None:
+        return
+    heads = _linear_fn_head_outputs(model)
+    paths = [path for path, _ in keras.tree.flatten_with_path(_keras_compat.functional_structure(model)[1])]
+    for index, head in heads.items():
+        keys = {model.output_names[index]} | ({paths[index][0]} if paths[index] else set())
+        if isinstance(loss, dict):
+            given = next((loss[key] for key in keys if key in loss), None)
+        elif isinstance(loss, (list, tuple)):
+            given = loss[index] if index < len(loss) else None
+        else:
+            given = loss
+        if _loss_name(given) in _REGRESSION_LOSSES:
+            warnings.warn(
+                f"loss={_loss_name(given)!r} on output {model.output_names[index]!r}: boost_level "
+                f"{model.auto_boost.level!r} replaced its Dense layer '{head}' by an FN head (LessBN's fn_flag, a "
+                "cosine-similarity classifier whose outputs stay within ±its multiplier), which fits a regression "
+                "worse than the Dense. If this output is a regression, build the BoostModel without LessBN (BatchNorms "
+                "kept, no FN head): BoostModel(inputs, outputs, boost_level=..., "
+                "boost_config={'boost': {'mode': 'manual', 'less_bn': False}}).",
+                UserWarning, stacklevel=3)
 
 
 _FUNCTIONAL_VARIANTS = {}

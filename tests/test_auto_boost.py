@@ -199,3 +199,58 @@ def test_a_subclassed_boostmodel_at_a_lessbn_level_is_told_what_works():
     assert model.boost_step.freeze is not None  # the level's other features stay on
     x = np.random.default_rng(0).random((32, 8, 8, 1), dtype=np.float32)
     model.fit(x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
+
+
+def test_network_auto_process_train_keeps_dict_outputs_and_their_names():
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((8, 8, 3))
+    x = inputs
+    for _ in range(3):
+        x = keras.layers.ReLU()(keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3, padding="same")(x)))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    base = keras.Model(inputs, {"label": keras.layers.Dense(3, activation="softmax", name="head")(x),
+                                "large": keras.layers.Dense(1, activation="sigmoid", name="large")(x)})
+    model, optimizer = AutoBoost("O1").network_auto_process_train(base, keras.optimizers.SGD(0.01))
+    assert model.output_names == base.output_names == ["head", "large"]
+    assert sorted(model.less_bn_report.fn_heads) == ["head", "large"]
+    model.compile(optimizer, loss={"label": "sparse_categorical_crossentropy", "large": "binary_crossentropy"})
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(32, 8, 8, 3)).astype(np.float32)
+    model.fit(data, {"label": rng.integers(0, 3, 32), "large": rng.integers(0, 2, (32, 1))}, batch_size=16, verbose=0)
+    assert sorted(model.predict(data, verbose=0)) == ["label", "large"]
+
+
+@pytest.mark.parametrize("option, stage", [("gradient_freeze", "FreezeStage"),
+                                           ("gradient_centralization", "GradientCentralization"),
+                                           ("gradient_accumulation", "GradientAccumulation"),
+                                           ("adasum", "AdaSum"), ("loss_scale", "DynamicLossScale")])
+def test_false_switches_off_the_levels_stage_of_an_option(option, stage):
+    # Found trying O1 piece by piece: gradient_centralization=False and adasum=False worked, while
+    # gradient_freeze=False and gradient_accumulation=False were a TypeError.
+    base = demo_resnet(model_class=keras.Model)
+    config = {"boost": {"mode": "enable_all"}, "grad_accumulation": {"grad_accumulation_step": 2}}
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16" if option == "loss_scale" else "float32")
+    try:
+        level = BoostModel(base.inputs, base.outputs, boost_level="O2", boost_config=config)
+        level.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        assert stage in [type(s).__name__ for s in level.boost_step.stages]
+        off = BoostModel(base.inputs, base.outputs, boost_level="O2", boost_config=config)
+        off.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", **{option: False})
+        names = {type(s).__name__ for s in off.boost_step.stages}
+        assert stage not in names
+        # AdaSum's place is averaging's and the plain update's; without loss scaling the NaN guard's
+        replacements = {"Average", "OptimizerUpdate", "NanGuard"}
+        assert names - replacements == {type(s).__name__ for s in level.boost_step.stages} - replacements - {stage}
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def test_gradient_freeze_true_is_mindspores_default_freezing():
+    model = BoostModel(*(lambda m: (m.inputs, m.outputs))(demo_resnet(model_class=keras.Model)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", gradient_freeze=True)
+    source = model.boost_step.freeze.source
+    assert source.get_config() == kb.GradientFreeze().get_config()
+    with pytest.raises(TypeError, match=r"`gradient_freeze` must be None, a bool, a GradientFreeze or a FreezeOpt, "
+                                        r"got 'yes' \(str\)"):
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", gradient_freeze="yes")

@@ -2,6 +2,7 @@
 
 import logging
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -480,3 +481,117 @@ def test_batchnorms_that_hold_what_they_learnt_are_kept():
     with pytest.warns(UserWarning, match=r"frozen: trainable=False"):
         held = LessBN(frozen).less_bn_report.held
     assert held == {name: "frozen" for name in fresh.removed}
+
+
+# ---------------------------------------------------------------- models with several outputs
+def _two_headed(model_class=keras.Model, second="attr", **kwargs):
+    """Dict inputs (an image and a vector) and dict outputs: a softmax classifier 'cls' and either a
+    sigmoid attribute 'attr' (a classifier too) or a Dense(1) regression 'reg'."""
+    keras.utils.set_random_seed(4)
+    image, aux = keras.Input((8, 8, 1), name="image"), keras.Input((3,), name="aux")
+    x = image
+    for i in range(3):
+        x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name=f"conv{i}")(x)
+        x = BN(name=f"bn{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+    x = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling2D()(x), aux])
+    activation = "sigmoid" if second == "attr" else None
+    outputs = {"cls": keras.layers.Dense(3, activation="softmax", name="cls")(x),
+               second: keras.layers.Dense(1, activation=activation, name=second)(x)}
+    return model_class({"image": image, "aux": aux}, outputs, **kwargs)
+
+
+def _two_headed_data(second="attr", n=64):
+    rng = np.random.default_rng(5)
+    x = {"image": rng.normal(size=(n, 8, 8, 1)).astype(np.float32), "aux": rng.normal(size=(n, 3)).astype(np.float32)}
+    y = {"cls": rng.integers(0, 3, n), second: (x["aux"][:, :1] > 0) * 1.0 if second == "attr" else x["aux"][:, :1]}
+    return x, y
+
+
+def _compile_two_headed(model, second="attr"):
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss={"cls": "sparse_categorical_crossentropy", second: "binary_crossentropy" if second == "attr"
+                        else "mse"},
+                  loss_weights={"cls": 1.0, second: 0.5}, metrics={"cls": ["accuracy"], second: ["mae"]})
+
+
+def test_a_level_keeps_the_users_output_structure_and_names(tmp_path):
+    # Found trying a two-headed model at O1: the rewritten graph's outputs were a flat list, and the
+    # FN heads' new Activations renamed the outputs ('cls' -> 'cls_activation'), so compile's loss
+    # dict no longer matched (ValueError in fit), and predict returned a list.
+    x, y = _two_headed_data()
+    plain = _two_headed()
+    boosted = _two_headed(BoostModel, boost_level="O1")
+    assert boosted.less_bn_report.num_removed >= 1 and sorted(boosted.less_bn_report.fn_heads) == ["attr", "cls"]
+    assert boosted.output_names == plain.output_names == ["attr", "cls"]
+    for model in (plain, boosted):
+        _compile_two_headed(model)
+    history = {type(m).__name__: m.fit(x, y, batch_size=16, epochs=1, verbose=0).history for m in (plain, boosted)}
+    assert set(history["BoostModel"]) - {"freeze_group"} == set(history["Functional"])
+    predicted = boosted.predict(x, verbose=0)
+    assert isinstance(predicted, dict) and {k: v.shape for k, v in predicted.items()} == {"cls": (64, 3), "attr": (64, 1)}
+    np.testing.assert_allclose(predicted["cls"].sum(axis=1), 1.0, rtol=1e-5)  # the softmax stays after the FN head
+    path = tmp_path / "two_headed.keras"
+    boosted.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.output_names == ["attr", "cls"]
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0)["attr"], predicted["attr"])
+    assert set(loaded.fit(x, y, batch_size=16, epochs=1, verbose=0).history) == set(history["BoostModel"])
+
+
+def test_list_outputs_with_losses_keyed_by_layer_name_at_a_level():
+    # Keras' trainer accepts a dict of losses keyed by output layer names for list outputs
+    # (keras/src/models/model_test.py: test_functional_list_outputs_dict_losses).
+    x, y = _two_headed_data()
+    dict_model = _two_headed()
+    model = BoostModel(dict_model.inputs, [dict_model.output["cls"], dict_model.output["attr"]], boost_level="O1")
+    assert model.output_names == ["cls", "attr"] and model.less_bn_report.fn_heads
+    _compile_two_headed(model)
+    history = model.fit(x, [y["cls"], y["attr"]], batch_size=16, epochs=1, verbose=0).history
+    assert {"cls_accuracy", "attr_mae", "cls_loss", "attr_loss"} <= set(history)
+
+
+def test_a_level_keeps_every_batchnorm_when_an_output_is_not_a_classifier():
+    # Found on a two-headed model at O1: with a BatchNorm removed (and GC), its Dense(1) regression's loss
+    # was 6x plain Keras' (docs/less_bn.md); no FN head can make up for the BatchNorms there.
+    with pytest.warns(UserWarning, match=r"kept every BatchNormalization.*'reg' do not come from a classifier") as w:
+        model = _two_headed(BoostModel, second="reg", boost_level="O1")
+    assert w[0].filename == __file__
+    report = model.less_bn_report
+    assert report.num_removed == 0 and report.fn_heads == () and report.not_classifiers == ("reg",)
+    assert set(report.held.values()) == {"output"} and "not from a classifier Dense: reg" in report.summary()
+    assert _bn_names(model) == ["bn0", "bn1", "bn2"]
+    _compile_two_headed(model, "reg")
+    x, y = _two_headed_data("reg")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not model.boost_step.centralization.is_on()  # GC makes up for removed BatchNorms: none removed
+    forced = _two_headed(BoostModel, second="reg", boost_level="O1", boost_config={"less_bn": {"fn_flag": True}})
+    assert forced.less_bn_report.num_removed >= 1  # the less_bn section given: MindSpore's LessBN
+    assert isinstance(forced.get_layer("reg"), FNHead) and isinstance(forced.get_layer("cls"), FNHead)
+    standalone = LessBN(_two_headed(second="reg"), fn_flag=True)  # MindSpore's: every Dense producing an output
+    assert isinstance(standalone.get_layer("reg"), FNHead) and standalone.output_names == ["cls", "reg"]
+    with pytest.raises(ValueError, match="fn_outputs"):
+        LessBN(_two_headed(), fn_flag=True, fn_outputs="regressions")
+
+
+@pytest.mark.parametrize("loss", ["mse", keras.losses.Huber(), keras.losses.mean_absolute_error, {"box": "mae"}, ["mse"]],
+                         ids=["mse", "Huber", "mae-function", "dict", "list"])
+def test_a_regression_loss_on_an_fn_head_is_named_at_compile(loss):
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((8, 8, 1))
+    x = inputs
+    for _ in range(3):
+        x = keras.layers.ReLU()(BN()(keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(x)))
+    outputs = keras.layers.Dense(4, name="box")(keras.layers.GlobalAveragePooling2D()(x))
+    model = BoostModel(inputs, outputs, boost_level="O1")
+    assert model.less_bn_report.fn_heads == ("box",)
+    with pytest.warns(UserWarning, match=r"output 'box'.*FN head.*'less_bn': False") as caught:
+        model.compile("sgd", loss)
+    assert caught[0].filename == __file__  # at the user's compile line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.compile("sgd", "categorical_crossentropy")  # a classifier's loss: no warning
+        without_head = BoostModel(inputs, outputs, boost_level="O1",
+                                  boost_config={"boost": {"mode": "manual", "less_bn": False}})  # the advice
+        assert without_head.less_bn_report is None
+        without_head.compile("sgd", loss)

@@ -103,13 +103,18 @@ class LessBNReport:
             `fn_flag`).
         held: BN layer name -> why it was kept although a rule marks it (`"frozen"`: not
             trainable; `"trained"`: its moving statistics are no longer their initial
-            values, as in pretrained weights); these names are in `kept` too.
+            values, as in pretrained weights; `"output"`: see `not_classifiers`); these
+            names are in `kept` too.
+        not_classifiers: with `fn_flag` and `fn_outputs="classifiers"`, the names of the
+            layers producing outputs that no classifier Dense produces; when there are any,
+            every BatchNorm stays (`held` gives them the reason `"output"`).
     """
 
     removed: dict
     kept: tuple
     fn_heads: tuple = ()
     held: dict = dataclasses.field(default_factory=dict)
+    not_classifiers: tuple = ()
 
     @property
     def num_removed(self):
@@ -122,13 +127,16 @@ class LessBNReport:
     def summary(self):
         """One line: counts of removed and kept BNs and the FN heads."""
         heads = ", ".join(self.fn_heads) or "none"
+        left = (f"; outputs not from a classifier Dense: {', '.join(self.not_classifiers)}"
+                if self.not_classifiers else "")
         return (
             f"LessBN removed {self.num_removed} of {self.num_removed + self.num_kept} "
-            f"BatchNormalization layers, kept {self.num_kept}; FN heads: {heads}."
+            f"BatchNormalization layers, kept {self.num_kept}; FN heads: {heads}{left}."
         )
 
 
-def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False):  # noqa: N802 - MindSpore's name
+def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False,  # noqa: N802 - MindSpore's name
+           fn_outputs="all"):
     """Returns a copy of a functional or Sequential model without redundant BNs.
 
     See the module docstring for the rules. The result carries a `LessBNReport` as
@@ -148,6 +156,11 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False):  #
             them afterwards (`layer.trainable = False`, a nested base unfrozen for fine-tuning)
             applies to it. `BoostModel(inputs, outputs, boost_level=...)` passes True: the
             layers are the user's. Defaults to `False` (MindSpore's: a new network).
+        fn_outputs: "all" or "classifiers", keras_boost's: which Dense layers producing an
+            output `fn_flag` replaces. "all" (default, MindSpore's) every one, and a model
+            without one is a `ValueError`; "classifiers" only those with two or more units
+            or a softmax/sigmoid (a `Dense(1)` without one may be a regression), and none is
+            no error. Boost levels pass "classifiers".
 
     Returns:
         A new, uncompiled model sharing no layer with `model`.
@@ -165,18 +178,36 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False):  #
         raise TypeError(f"`fn_needs_removal` must be a bool (True or False), got {fn_needs_removal!r}.")
     if not isinstance(share_layers, bool):
         raise TypeError(f"`share_layers` must be a bool (True or False), got {share_layers!r}.")
+    if fn_outputs not in ("all", "classifiers"):
+        raise ValueError(f"`fn_outputs` must be 'all' or 'classifiers', got {fn_outputs!r}.")
     view = _graph_view(model)
     graph = _Graph(view.outputs)
     removed_nodes, held = _plan_removals(graph)
     removed_layers = _removed_layers(graph, removed_nodes)
-    heads = _head_denses(graph, model.name) if fn_flag and (removed_layers or not fn_needs_removal) else []
+    others = _not_classifier_outputs(graph) if fn_flag and fn_outputs == "classifiers" else []
+    if others and removed_layers:  # no FN head could make up for the BatchNorms on those outputs
+        for i in removed_nodes:
+            held.setdefault(graph.layer(i).name, "output")
+        removed_nodes, removed_layers = {}, set()
+    heads = (_head_denses(graph, model.name, fn_outputs)
+             if fn_flag and (removed_layers or not fn_needs_removal) else [])
     with _variable_scope(model):
         clone = _rebuild(view, removed_layers, heads, share_layers)
     result = _with_class_of(model, clone)
-    result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads, held)
+    keep_output_names(model, result)
+    result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads, held, others)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
-    if held:
-        reasons = sorted(set(held.values()))
+    if others and "output" in held.values():
+        warnings.warn(
+            f"LessBN kept every BatchNormalization layer of model '{model.name}': its output(s) "
+            f"{', '.join(repr(name) for name in others)} do not come from a classifier Dense (two or more units, or "
+            "a softmax or sigmoid), so no FN head can make up for removed BatchNorms there (on a two-headed model a "
+            "Dense(1) regression's loss was 6x plain Keras' with them removed); a boost level then leaves its "
+            "gradient centralization off too. To remove them anyway (MindSpore's LessBN, an FN head on every Dense "
+            "output), give the level's less_bn section: boost_config={'less_bn': {'fn_flag': True}}.", stacklevel=2)
+        return result
+    if any(why in _HELD_WHY for why in held.values()):
+        reasons = sorted({why for why in held.values() if why in _HELD_WHY})
         warnings.warn(
             f"LessBN kept {len(held)} BatchNormalization layers of model '{model.name}' that its rules would remove, "
             f"because they hold what they learnt ({' and '.join(_HELD_WHY[r] for r in reasons)}): without them the "
@@ -490,19 +521,57 @@ def has_dense_head(model):
     return True
 
 
-def _head_denses(graph, model_name):
-    heads = []
+_CLASSIFIER_ACTIVATIONS = {"softmax", "sigmoid", "log_softmax"}
+
+
+def _is_classifier(dense, passed):
+    """Whether a Dense producing an output (through the activation layers `passed`) is a
+    classifier: two or more units, or a softmax/sigmoid. A Dense(1) without one may be a
+    regression, where a cosine-similarity head cannot reach the targets."""
+    if dense.units >= 2:
+        return True
+    activations = [dense.activation] + [getattr(layer, "activation", None) for layer in passed]
+    return (any(isinstance(layer, _L.Softmax) for layer in passed)
+            or any(getattr(fn, "__name__", None) in _CLASSIFIER_ACTIVATIONS for fn in activations))
+
+
+def _output_denses(graph):
+    """The Dense layers producing an output (through activation layers), each with the
+    activation layers passed on the way."""
+    found = []
     for i in graph.output_nodes:
+        passed = []
         while graph.is_a(i, _ACTIVATIONS) and graph.single_parent(i) is not None:
+            passed.append(graph.layer(i))
             i = graph.single_parent(i)
-        if graph.is_a(i, _L.Dense) and graph.layer(i) not in heads:
-            heads.append(graph.layer(i))
-    if not heads:
+        if graph.is_a(i, _L.Dense) and all(graph.layer(i) is not dense for dense, _ in found):
+            found.append((graph.layer(i), passed))
+    return found
+
+
+def _head_denses(graph, model_name, fn_outputs="all"):
+    """The Dense layers an FN head replaces."""
+    found = _output_denses(graph)
+    if not found and fn_outputs == "all":
         raise ValueError(
             f"fn_flag=True needs a Dense layer producing an output of model '{model_name}' "
             "(directly or through activation layers); it has none."
         )
-    return heads
+    return [dense for dense, passed in found if fn_outputs == "all" or _is_classifier(dense, passed)]
+
+
+def _not_classifier_outputs(graph):
+    """Names of the layers producing the outputs that no classifier Dense produces (through
+    activation layers): a Dense(1) without softmax or sigmoid, a convolution, anything else."""
+    names = []
+    for i in graph.output_nodes:
+        end, passed = i, []
+        while graph.is_a(i, _ACTIVATIONS) and graph.single_parent(i) is not None:
+            passed.append(graph.layer(i))
+            i = graph.single_parent(i)
+        if not (graph.is_a(i, _L.Dense) and _is_classifier(graph.layer(i), passed)):
+            names.append(graph.layer(end).name)
+    return names
 
 
 FN_SCALE = 16.0  # the FN head's initial multiplier: a number, "mindspore" (1.0) or "adacos" (sqrt(2) ln(C-1))
@@ -562,6 +631,17 @@ def _rebuild(view, removed_layers, heads, share_layers=False):
     return clone
 
 
+def keep_output_names(model, result):
+    """`result` answers to `model`'s output names. An FN head whose Dense had an activation
+    ends in a new `Activation` layer (`<dense>_activation`), and Keras names a functional
+    model's outputs after their last layers: without this, `compile`'s losses and metrics
+    keyed by output name (`loss={"cls": ...}`) would no longer match, and the metrics'
+    names (`cls_accuracy`) would change."""
+    names = getattr(model, "output_names", None)
+    if names and len(names) == len(result.outputs):
+        result.output_names = list(names)
+
+
 def _with_class_of(model, clone):
     """`clone` rebuilt as `type(model)` when that class takes (inputs, outputs, name)."""
     cls = type(model)
@@ -574,7 +654,7 @@ def _with_class_of(model, clone):
     return cls(clone.input, clone.output, name=model.name)
 
 
-def _report(graph, removed_nodes, removed_layers, heads, held=None):
+def _report(graph, removed_nodes, removed_layers, heads, held=None, others=()):
     removed, kept = {}, []
     for i in graph.bns():
         layer = graph.layer(i)
@@ -582,4 +662,5 @@ def _report(graph, removed_nodes, removed_layers, heads, held=None):
             removed.setdefault(layer.name, removed_nodes[i])
         elif layer.name not in kept:
             kept.append(layer.name)
-    return LessBNReport(removed=removed, kept=tuple(kept), fn_heads=tuple(h.name for h in heads), held=dict(held or {}))
+    return LessBNReport(removed=removed, kept=tuple(kept), fn_heads=tuple(h.name for h in heads), held=dict(held or {}),
+                         not_classifiers=tuple(others))

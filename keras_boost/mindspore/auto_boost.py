@@ -12,6 +12,7 @@ import keras
 from keras_boost.mindspore.params import OptimizerProcess
 from keras_boost.config import DEFAULTS, FEATURES, LEVELS, MODES, BoostConfig, read_config  # noqa: F401
 from keras_boost.graph.less_bn import LessBN, has_dense_head
+from keras_boost import _keras_compat
 from keras_boost._keras_compat import Functional
 from keras_boost._validation import alias
 from keras_boost.model import BoostModel
@@ -120,12 +121,18 @@ class AutoBoost(BoostConfig):
                 warnings.warn(f"fn_flag: {model.name!r} has no Dense layer producing its output, so the FN head is "
                               "skipped; LessBN still applies", UserWarning, stacklevel=3)
                 fn_flag = False
-            model = LessBN(model, fn_flag=fn_flag, fn_needs_removal=self.measured("less_bn"))
+            model = LessBN(model, fn_flag=fn_flag, fn_needs_removal=self.measured("less_bn"),
+                           fn_outputs="classifiers" if self.measured("less_bn") else "all")
         if isinstance(model, BoostModel):
             return model
         report = getattr(model, "less_bn_report", None)
         if functional:
-            model = BoostModel(model.inputs, model.outputs, name=model.name)
+            names = getattr(model, "output_names", None)
+            inputs, outputs = (_keras_compat.functional_structure(model) if isinstance(model, Functional)
+                               else (model.inputs, model.outputs))  # a dict of outputs stays a dict
+            model = BoostModel(inputs, outputs, name=model.name)
+            if names and len(names) == len(model.outputs):
+                model.output_names = list(names)
         else:
             model = _BoostWrapper(model)
         model.less_bn_report = report

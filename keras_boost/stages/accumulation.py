@@ -56,8 +56,9 @@ class GradientAccumulation(Stage):
 
     @classmethod
     def from_option(cls, value, model):
-        """None, an int number of micro-batches per update, or a `GradientAccumulation` (1 means off)."""
-        if value is None:
+        """None or False (off; False also switches off a boost level's accumulation), an int number
+        of micro-batches per update, or a `GradientAccumulation` (1 means off)."""
+        if value is None or value is False:
             return None
         stage = value if isinstance(value, GradientAccumulation) else cls(value)
         return None if stage.max_accumulation_step == 1 else stage

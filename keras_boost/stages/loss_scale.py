@@ -41,14 +41,17 @@ class LossScale(Stage):
 
     @classmethod
     def from_option(cls, value, model):
-        """`compile(loss_scale=...)`: None/"auto", "dynamic", a number, a scalar tensor or a LossScale."""
+        """`compile(loss_scale=...)`: None/"auto", False (none, even under mixed_float16), "dynamic",
+        a number, a scalar tensor or a LossScale."""
+        if value is False:
+            return None
         if value is None or (isinstance(value, str) and value == "auto"):
             policy = keras.config.dtype_policy().name
             return DynamicLossScale() if policy == "mixed_float16" else None
         if isinstance(value, str):
             if value == "dynamic":
                 return DynamicLossScale()
-            raise ValueError(f"loss_scale must be None, 'auto', 'dynamic', a number, a scalar tensor or a "
+            raise ValueError(f"loss_scale must be None, 'auto', False, 'dynamic', a number, a scalar tensor or a "
                              f"LossScale, got {value!r}")
         if isinstance(value, LossScale):
             return value

@@ -1,5 +1,7 @@
 """Gradient freezing, the stage of the boost step: which group trains, and where the sequence stands."""
 
+import reprlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -27,14 +29,21 @@ class FreezeStage(Stage):
 
     def __init__(self, source):
         if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
-            raise TypeError(f"`gradient_freeze` must be a GradientFreeze or a FreezeOpt, got {type(source).__name__}")
+            raise TypeError(f"`gradient_freeze` must be None, a bool, a GradientFreeze or a FreezeOpt, got "
+                            f"{reprlib.repr(source)} ({type(source).__name__})")
         self.source = source
         self.plan = None
 
     @classmethod
     def from_option(cls, value, model):
-        """None, a `GradientFreeze`, a `FreezeOpt` or a ready `FreezeStage`."""
-        if value is None or isinstance(value, FreezeStage):
+        """None or False (off; False also switches off a boost level's freezing), True (a
+        `GradientFreeze` with MindSpore's defaults), a `GradientFreeze`, a `FreezeOpt` or a
+        ready `FreezeStage`."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls(GradientFreeze())
+        if isinstance(value, FreezeStage):
             return value
         return cls(value)
 
