@@ -192,10 +192,22 @@ def centralizes(shape, min_channels_multiple):
 
 
 def centralize(grad):
-    """`grad - mean(grad, axes=all but the last)`: each output channel's mean gradient removed."""
+    """`grad - mean(grad, axes=all but the last)`: each output channel's mean gradient removed.
+
+    The means are one matrix product, `ones(1, n) @ grad` with `grad` seen as `(n, channels)`
+    (a free reshape: the channels are the last axis), which TensorFlow's CPU matmul runs
+    at memory speed on every core: on ResNet50's 23.5 M centralised values 12.0 ms against
+    `tf.reduce_mean`'s 20.1 ms, and the step's GC and fused update 30.2 against 39.7 ms
+    (`scripts/experiments/bench_fused_update.py --gc-forms`; docs/benchmarks.md). The
+    results agree within float32 rounding (the sums run in another order).
+    """
     grad = tf.convert_to_tensor(grad)
-    axes = list(range(len(grad.shape) - 1))
-    return grad - tf.reduce_mean(grad, axis=axes, keepdims=True)
+    if not grad.shape.is_fully_defined():
+        return grad - tf.reduce_mean(grad, axis=list(range(len(grad.shape) - 1)), keepdims=True)
+    channels = grad.shape[-1]
+    rows = grad.shape.num_elements() // channels
+    means = tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels])) / rows
+    return grad - means  # (1, channels) broadcasts over every leading axis
 
 
 def _describe(value):

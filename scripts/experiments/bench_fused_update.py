@@ -34,6 +34,8 @@ def main():
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd-momentum")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=15)
+    parser.add_argument("--gc-forms", action="store_true",
+                        help="also time the former centralization (tf.reduce_mean over the leading axes)")
     args = parser.parse_args()
     make = {"resnet50": keras.applications.ResNet50, "mobilenetv2": keras.applications.MobileNetV2,
             "densenet121": keras.applications.DenseNet121}[args.model]
@@ -49,6 +51,16 @@ def main():
     def centred():
         return [centralize(g) if id(v) in selected else g for g, v in zip(grads, variables)]
 
+    def reduce_mean_form(g):  # keras_boost's centralize until December 5, 2026
+        return g - tf.reduce_mean(g, axis=list(range(len(g.shape) - 1)), keepdims=True)
+
+    def centred_reduce_mean():
+        return [reduce_mean_form(g) if id(v) in selected else g for g, v in zip(grads, variables)]
+
+    def fused_update_reduce_mean():
+        with fused_kernels(optimizer):
+            optimizer.apply(centred_reduce_mean(), variables)
+
     def keras_update(gc):
         optimizer.apply(centred() if gc else grads, variables)
 
@@ -61,6 +73,9 @@ def main():
             "centralization alone": tf.function(centred),
             "centralization + keras update": tf.function(lambda: keras_update(True)),
             "centralization + fused update": tf.function(lambda: fused_update(True))}
+    if args.gc_forms:
+        runs["centralization alone (reduce_mean)"] = tf.function(centred_reduce_mean)
+        runs["centralization (reduce_mean) + fused"] = tf.function(fused_update_reduce_mean)
     times = {name: [] for name in runs}
     for name, run in runs.items():
         run()  # trace and set up
