@@ -554,7 +554,7 @@ def test_list_outputs_with_losses_keyed_by_layer_name_at_a_level():
 def test_a_level_keeps_every_batchnorm_when_an_output_is_not_a_classifier():
     # Found on a two-headed model at O1: with a BatchNorm removed (and GC), its Dense(1) regression's loss
     # was 6x plain Keras' (docs/less_bn.md); no FN head can make up for the BatchNorms there.
-    with pytest.warns(UserWarning, match=r"kept every BatchNormalization.*'reg' do not come from a classifier") as w:
+    with pytest.warns(UserWarning, match=r"kept every BatchNormalization.*'reg' come from no classifier Dense") as w:
         model = _two_headed(BoostModel, second="reg", boost_level="O1")
     assert w[0].filename == __file__
     report = model.less_bn_report
@@ -595,3 +595,17 @@ def test_a_regression_loss_on_an_fn_head_is_named_at_compile(loss):
                                   boost_config={"boost": {"mode": "manual", "less_bn": False}})  # the advice
         assert without_head.less_bn_report is None
         without_head.compile("sgd", loss)
+
+
+def test_a_level_on_an_application_whose_classifier_is_a_convolution():
+    # keras.applications' MobileNet and MobileNetV3 end in a 1x1 convolution, a reshape and a softmax:
+    # no Dense for the FN head. Until December 5, 2026 a level raised LessBN's ValueError
+    # ("fn_flag=True needs a Dense layer producing an output") at BoostModel(...).
+    base = keras.applications.MobileNetV3Small(weights=None, input_shape=(32, 32, 3), classes=10)
+    with pytest.warns(UserWarning, match=r"kept every BatchNormalization.*'predictions' come from no classifier Dense"):
+        model = BoostModel(base.inputs, base.outputs, boost_level="O1")
+    assert model.less_bn_report.num_removed == 0 and model.less_bn_report.fn_heads == ()
+    assert len(_bn_names(model)) == len(_bn_names(base)) == 34
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype(np.float32)
+    np.testing.assert_allclose(model.predict(x, verbose=0), base.predict(x, verbose=0), rtol=1e-5, atol=1e-6)

@@ -200,9 +200,9 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False,  # 
     if others and "output" in held.values():
         warnings.warn(
             f"LessBN kept every BatchNormalization layer of model '{model.name}': its output(s) "
-            f"{', '.join(repr(name) for name in others)} do not come from a classifier Dense (two or more units, or "
-            "a softmax or sigmoid), so no FN head can make up for removed BatchNorms there (on a two-headed model a "
-            "Dense(1) regression's loss was 6x plain Keras' with them removed); a boost level then leaves its "
+            f"{', '.join(repr(name) for name in others)} come from no classifier Dense (a Dense with two or more units, "
+            "or with a softmax or sigmoid) for the FN head, which makes up for removed BatchNorms (on a two-headed "
+            "model a Dense(1) regression's loss was 6x plain Keras' with them removed); a boost level then leaves its "
             "gradient centralization off too. To remove them anyway (MindSpore's LessBN, an FN head on every Dense "
             "output), give the level's less_bn section: boost_config={'less_bn': {'fn_flag': True}}.", stacklevel=2)
         return result
