@@ -51,8 +51,11 @@ class AutoBoost(BoostConfig):
         - A subclassed model is wrapped in a `BoostModel` that calls it (same variables);
           LessBN needs a functional or Sequential model, so a level with less_bn on
           refuses a subclassed one with a `TypeError`.
-        - With `fn_flag` on and no Dense layer producing the output, the FN head is
-          skipped with a warning (LessBN still applies).
+        - LessBN as `BoostModel(inputs, outputs, boost_level=...)` applies it: BatchNorms are
+          removed only when every output comes from a classifier Dense, which gets the FN
+          head. With the `less_bn` section given (MindSpore's LessBN), every Dense output
+          gets it, and with `fn_flag` on and no Dense layer producing the output the FN
+          head is skipped with a warning (LessBN still applies).
         - Calling it again with the same model (or with the model it returned) returns
           the same processed model: the weights are not copied a second time.
         """
@@ -117,7 +120,7 @@ class AutoBoost(BoostConfig):
                 raise TypeError(f"level {self.level} rewrites the layer graph (LessBN), which needs a functional or "
                                 f"Sequential model; {model.name!r} is a subclassed {type(model).__name__}. Build it "
                                 "functionally, or switch less_bn off (mode 'manual', 'less_bn': False)")
-            if fn_flag and not has_dense_head(model):
+            if fn_flag and not has_dense_head(model) and not self.measured("less_bn"):
                 warnings.warn(f"fn_flag: {model.name!r} has no Dense layer producing its output, so the FN head is "
                               "skipped; LessBN still applies", UserWarning, stacklevel=3)
                 fn_flag = False
