@@ -404,8 +404,8 @@ def _check_fn_head_losses(model, loss):
             given = loss
         if _loss_name(given) in _REGRESSION_LOSSES:
             warnings.warn(
-                f"loss={_loss_name(given)!r} on output {model.output_names[index]!r}: boost_level "
-                f"{model.auto_boost.level!r} replaced its Dense layer '{head}' by an FN head (LessBN's fn_flag, a "
+                f"loss={_loss_name(given)!r} on output {model.output_names[index]!r}: boost level "
+                f"{getattr(model.auto_boost, 'level', 'O1/O2')!r} replaced its Dense layer '{head}' by an FN head (LessBN's fn_flag, a "
                 "cosine-similarity classifier whose outputs stay within ±its multiplier), which fits a regression "
                 "worse than the Dense. If this output is a regression, build the BoostModel without LessBN (BatchNorms "
                 "kept, no FN head): BoostModel(inputs, outputs, boost_level=..., "

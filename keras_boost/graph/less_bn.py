@@ -158,9 +158,11 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False,  # 
             layers are the user's. Defaults to `False` (MindSpore's: a new network).
         fn_outputs: "all" or "classifiers", keras_boost's: which Dense layers producing an
             output `fn_flag` replaces. "all" (default, MindSpore's) every one, and a model
-            without one is a `ValueError`; "classifiers" only those with two or more units
-            or a softmax/sigmoid (a `Dense(1)` without one may be a regression), and none is
-            no error. Boost levels pass "classifiers".
+            without one is a `ValueError`. "classifiers": those with two or more units or a
+            softmax/sigmoid; and when any output comes from no such Dense (a `Dense(1)`
+            without one may be a regression; a convolution classifier has no Dense for the
+            head), every BatchNorm stays, with a warning (`report.not_classifiers`). Boost
+            levels pass "classifiers" unless the configuration gives the `less_bn` section.
 
     Returns:
         A new, uncompiled model sharing no layer with `model`.
