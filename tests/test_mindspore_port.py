@@ -141,7 +141,8 @@ def test_auto_process_train_subclassed_model_at_o0():
 def test_auto_process_train_without_dense_head_skips_fn_and_says_so():
     x_in = keras.Input((8,))
     h = keras.layers.Dense(4)(x_in)
-    network = keras.Model(x_in, keras.layers.Activation("softmax")(keras.layers.BatchNormalization()(h)))
+    network = keras.Model(x_in, keras.layers.Activation("softmax", name="probabilities")(
+        keras.layers.BatchNormalization()(h)))
     given = kb.AutoBoost("O1", {"grad_freeze": {"total_steps": 8}, "less_bn": {"fn_flag": True}})
     with pytest.warns(UserWarning, match="no Dense layer producing its output, so the FN head is skipped"):
         processed, _ = given.network_auto_process_train(network, momentum())  # the less_bn section: MindSpore's
@@ -149,7 +150,7 @@ def test_auto_process_train_without_dense_head_skips_fn_and_says_so():
     auto = kb.AutoBoost("O1", {"grad_freeze": {"total_steps": 8}})  # the level decides: as BoostModel(boost_level=)
     with pytest.warns(UserWarning, match="found no BatchNormalization layer to remove"):
         model, optimizer = auto.network_auto_process_train(network, momentum())
-    assert model.less_bn_report.fn_heads == () and model.less_bn_report.not_classifiers == ("activation",)
+    assert model.less_bn_report.fn_heads == () and model.less_bn_report.not_classifiers == ("probabilities",)
     again, same = auto.network_auto_process_train(network, optimizer)  # called twice
     assert again is model and same is optimizer
     assert auto.network_auto_process_train(model, optimizer)[0] is model
