@@ -15,6 +15,7 @@ from keras_boost.config import BoostConfig
 from keras_boost.step import registry
 from keras_boost.step.loop import BoostStep
 from keras_boost.core.state import BoostState
+from keras_boost.graph.less_bn import keep_output_names
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
@@ -81,11 +82,12 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             registry.validate_level(auto_boost)
         if isinstance(self, Functional):
             Trainer.__init__(self)
-            args, kwargs, report, output_names = _rewritten_graph(auto_boost, args, kwargs)
+            args, kwargs, rewritten = _rewritten_graph(auto_boost, args, kwargs)
             Functional.__init__(self, *args, **kwargs)
-            if output_names is not None:  # the user's graph's names, whatever layer now ends an output
-                self.output_names = output_names
-            self.less_bn_report = report
+            self.less_bn_report = None
+            if rewritten is not None:
+                keep_output_names(rewritten, self)  # the user's graph's names, whatever layer now ends an output
+                self.less_bn_report = rewritten.less_bn_report
         elif auto_boost is not None and auto_boost.enabled("less_bn"):
             raise TypeError(f"boost_level={auto_boost.level!r} includes LessBN, which rewrites a graph of layer calls, "
                             f"and {type(self).__name__} is a subclassed model: build the BoostModel functionally "
@@ -141,7 +143,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         if self.auto_boost is not None:
             config["auto_boost"] = self.auto_boost.get_config()
         names = getattr(self, "output_names", None)
-        if isinstance(self, Functional) and names and names != [t._keras_history[0].name for t in self.outputs]:
+        if isinstance(self, Functional) and names and names != [_output_layer(t).name for t in self.outputs]:
             config["output_names"] = list(names)  # LessBN's FN head ends an output in a new layer
         return config
 
@@ -346,9 +348,9 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
 
 def _rewritten_graph(auto_boost, args, kwargs):
-    """The functional (inputs, outputs) after the level's LessBN rewrite, and its report."""
+    """The functional (inputs, outputs) after the level's LessBN rewrite, and the rewritten model (None without)."""
     if auto_boost is None or not auto_boost.enabled("less_bn"):
-        return args, kwargs, None, None
+        return args, kwargs, None
     from keras_boost.graph.less_bn import LessBN
 
     kwargs = dict(kwargs)
@@ -362,7 +364,7 @@ def _rewritten_graph(auto_boost, args, kwargs):
     for caught_warning in caught:
         warnings.warn(caught_warning.message, caught_warning.category, stacklevel=3)
     inputs, outputs = _keras_compat.functional_structure(rewritten)  # the user's dict or list, not flattened
-    return (inputs, outputs, *args[2:]), kwargs, rewritten.less_bn_report, list(rewritten.output_names)
+    return (inputs, outputs, *args[2:]), kwargs, rewritten
 
 
 _REGRESSION_LOSSES = {"mean_squared_error", "mse", "mean_absolute_error", "mae", "mean_absolute_percentage_error",
@@ -381,8 +383,12 @@ def _linear_fn_head_outputs(model):
     after it: the output is the head's bounded cosine logits)."""
     from keras_boost.graph.layers import FNHead
 
-    return {index: tensor._keras_history[0].name for index, tensor in enumerate(model.outputs)
-            if isinstance(tensor._keras_history[0], FNHead)}
+    return {index: _output_layer(tensor).name for index, tensor in enumerate(model.outputs)
+            if isinstance(_output_layer(tensor), FNHead)}
+
+
+def _output_layer(tensor):
+    return _keras_compat.inbound_node(tensor).operation
 
 
 def _check_fn_head_losses(model, loss):

@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: the repository on sys.path and a per-step timer."""
+"""Shared by the benchmark scripts: the repository on sys.path, a per-step and a per-epoch timer."""
 
 import os
 import sys
@@ -21,4 +21,18 @@ class StepTimer(keras.callbacks.Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Wall time of every training epoch (validation included when `fit` runs it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
         self.times.append(time.perf_counter() - self._start)

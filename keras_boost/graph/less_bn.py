@@ -537,17 +537,26 @@ def _is_classifier(dense, passed):
             or any(getattr(fn, "__name__", None) in _CLASSIFIER_ACTIVATIONS for fn in activations))
 
 
-def _output_denses(graph):
-    """The Dense layers producing an output (through activation layers), each with the
-    activation layers passed on the way."""
-    found = []
+def _output_ends(graph):
+    """For each output: (the layer producing it, the layer found walking back through activation
+    layers, the activation layers passed on the way)."""
+    ends = []
     for i in graph.output_nodes:
-        passed = []
+        end, passed = i, []
         while graph.is_a(i, _ACTIVATIONS) and graph.single_parent(i) is not None:
             passed.append(graph.layer(i))
             i = graph.single_parent(i)
-        if graph.is_a(i, _L.Dense) and all(graph.layer(i) is not dense for dense, _ in found):
-            found.append((graph.layer(i), passed))
+        ends.append((graph.layer(end), graph.layer(i), passed))
+    return ends
+
+
+def _output_denses(graph):
+    """The Dense layers producing an output (through activation layers), each once, with the
+    activation layers passed on the way."""
+    found = []
+    for _, layer, passed in _output_ends(graph):
+        if isinstance(layer, _L.Dense) and all(layer is not dense for dense, _ in found):
+            found.append((layer, passed))
     return found
 
 
@@ -565,15 +574,8 @@ def _head_denses(graph, model_name, fn_outputs="all"):
 def _not_classifier_outputs(graph):
     """Names of the layers producing the outputs that no classifier Dense produces (through
     activation layers): a Dense(1) without softmax or sigmoid, a convolution, anything else."""
-    names = []
-    for i in graph.output_nodes:
-        end, passed = i, []
-        while graph.is_a(i, _ACTIVATIONS) and graph.single_parent(i) is not None:
-            passed.append(graph.layer(i))
-            i = graph.single_parent(i)
-        if not (graph.is_a(i, _L.Dense) and _is_classifier(graph.layer(i), passed)):
-            names.append(graph.layer(end).name)
-    return names
+    return [end.name for end, layer, passed in _output_ends(graph)
+            if not (isinstance(layer, _L.Dense) and _is_classifier(layer, passed))]
 
 
 FN_SCALE = 16.0  # the FN head's initial multiplier: a number, "mindspore" (1.0) or "adacos" (sqrt(2) ln(C-1))

@@ -11,7 +11,7 @@ import keras
 
 from keras_boost.mindspore.params import OptimizerProcess
 from keras_boost.config import DEFAULTS, FEATURES, LEVELS, MODES, BoostConfig, read_config  # noqa: F401
-from keras_boost.graph.less_bn import LessBN, has_dense_head
+from keras_boost.graph.less_bn import LessBN, has_dense_head, keep_output_names
 from keras_boost import _keras_compat
 from keras_boost._keras_compat import Functional
 from keras_boost._validation import alias
@@ -130,12 +130,10 @@ class AutoBoost(BoostConfig):
             return model
         report = getattr(model, "less_bn_report", None)
         if functional:
-            names = getattr(model, "output_names", None)
             inputs, outputs = (_keras_compat.functional_structure(model) if isinstance(model, Functional)
                                else (model.inputs, model.outputs))  # a dict of outputs stays a dict
-            model = BoostModel(inputs, outputs, name=model.name)
-            if names and len(names) == len(model.outputs):
-                model.output_names = list(names)
+            source, model = model, BoostModel(inputs, outputs, name=model.name)
+            keep_output_names(source, model)
         else:
             model = _BoostWrapper(model)
         model.less_bn_report = report

@@ -197,13 +197,11 @@ def centralize(grad):
     The means are one matrix product, `ones(1, n) @ grad` with `grad` seen as `(n, channels)`
     (a free reshape: the channels are the last axis), which TensorFlow's CPU matmul runs
     at memory speed on every core: on ResNet50's 23.5 M centralised values 12.0 ms against
-    `tf.reduce_mean`'s 20.1 ms, and the step's GC and fused update 30.2 against 39.7 ms
+    `tf.reduce_mean`'s 20.3 ms, and the step's GC and fused update 30.7 against 40.3 ms
     (`scripts/experiments/bench_fused_update.py --gc-forms`; docs/benchmarks.md). The
     results agree within float32 rounding (the sums run in another order).
     """
-    grad = tf.convert_to_tensor(grad)
-    if not grad.shape.is_fully_defined():
-        return grad - tf.reduce_mean(grad, axis=list(range(len(grad.shape) - 1)), keepdims=True)
+    grad = tf.convert_to_tensor(grad)  # a variable's gradient: its shape is the variable's, known
     channels = grad.shape[-1]
     rows = grad.shape.num_elements() // channels
     means = tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels])) / rows

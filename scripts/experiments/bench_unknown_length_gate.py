@@ -5,26 +5,18 @@ Prints the whole fit's time and each epoch's (docs/benchmarks.md, "The gate with
 Usage: .venv/bin/python scripts/experiments/bench_unknown_length_gate.py O0|O1|O2|keras
 """
 
+import os
 import sys
 import time
 
-import keras
-import tensorflow as tf
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
+from bench_common import EpochTimer  # noqa: E402  (this checkout's keras_boost on sys.path, log level)
 
-import keras_boost as kb
-from keras_boost.app.data import load_fashion_mnist
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-
-class EpochTimes(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self.start)
+import keras_boost as kb  # noqa: E402
+from keras_boost.app.data import load_fashion_mnist  # noqa: E402
 
 
 def main(level):
@@ -38,7 +30,7 @@ def main(level):
     outputs = keras.layers.Dense(10, activation="softmax")(keras.layers.Dropout(0.5)(keras.layers.Flatten()(h)))
     model = keras.Model(inputs, outputs) if level == "keras" else kb.BoostModel(inputs, outputs, boost_level=level)
     model.compile(loss="sparse_categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
-    epochs = EpochTimes()
+    epochs = EpochTimer()
     start = time.perf_counter()
     model.fit(dataset, epochs=3, verbose=0, callbacks=[epochs])
     print("RESULT", level, f"fit {time.perf_counter() - start:.2f}", "epochs",
