@@ -13,7 +13,7 @@ Configuration (a dict, or the path of a JSON file), with MindSpore's sections an
 
     {"boost": {"mode": "auto" | "manual" | "enable_all" | "disable_all",
                "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool,
-               "measure": bool, "fused_update": bool},
+               "measure": bool, "fused_update": bool, "fused_batchnorm": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
      "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
@@ -39,6 +39,9 @@ the configuration gives (`"grad_freeze": {...}`, `"less_bn": {...}`) keeps what 
 Fused update (keras_boost's; `"boost": {"fused_update": True}` by default wherever the level
 or mode switches a feature on): Keras' SGD/Adam/AdamW update runs as TensorFlow's fused
 training kernels (`keras_boost.stages.fused_update`), as MindSpore's optimizers are kernels.
+Fused BatchNorm (keras_boost's; `"boost": {"fused_batchnorm": True}` by default in the same
+cases): Keras' `BatchNormalization` layers train through TensorFlow's fused kernel inside
+the step (`keras_boost.stages.fused_batchnorm`), as MindSpore's `BatchNorm` is one kernel.
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -119,6 +122,9 @@ def _check_keys(where, given, valid):
 _check_bool = check_bool
 
 
+_BOOST_OPTIONS = ("mode", "measure", "fused_update", "fused_batchnorm")  # the "boost" keys that are no feature switch
+
+
 class BoostConfig:
     """A boost level and its configuration, validated (the value behind `AutoBoost`).
 
@@ -137,6 +143,8 @@ class BoostConfig:
             `fit` (see `measured`).
         fused_update: whether the step applies the optimizer's update with TensorFlow's fused
             kernels (default: whether any feature is on).
+        fused_batchnorm: whether the step's forward pass trains the BatchNormalization layers
+            with TensorFlow's fused kernel (default: whether any feature is on).
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
     checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
@@ -150,7 +158,7 @@ class BoostConfig:
         config = read_config(boost_config)
         _check_keys("<top level>", config, SECTIONS)
         boost = config.get("boost", {})
-        _check_keys("boost", boost, ("mode", "measure", "fused_update", *FEATURES, *UNSUPPORTED_FEATURES))
+        _check_keys("boost", boost, (*_BOOST_OPTIONS, *FEATURES, *UNSUPPORTED_FEATURES))
         self.mode = boost.get("mode", "auto")
         self.measure = _check_bool("boost_config['boost']['measure']", boost.get("measure", True))
         if self.mode not in MODES:
@@ -158,6 +166,8 @@ class BoostConfig:
         self.features = self._features(boost)
         self.fused_update = _check_bool("boost_config['boost']['fused_update']",
                                         boost.get("fused_update", any(self.features.values())))
+        self.fused_batchnorm = _check_bool("boost_config['boost']['fused_batchnorm']",
+                                           boost.get("fused_batchnorm", any(self.features.values())))
         self.params = copy.deepcopy(DEFAULTS)
         for section, defaults in DEFAULTS.items():
             given = config.get(section, {})
@@ -170,7 +180,7 @@ class BoostConfig:
 
     def _features(self, boost):
         switches = {k: _check_bool(f"boost_config['boost'][{k!r}]", v) for k, v in boost.items()
-                    if k not in ("mode", "measure", "fused_update")}
+                    if k not in _BOOST_OPTIONS}
         enabled_unsupported = [k for k in UNSUPPORTED_FEATURES if switches.get(k)]
         if enabled_unsupported:
             raise ValueError(f"{enabled_unsupported} are MindSpore features that keras_boost does not provide; "

@@ -49,8 +49,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
         stages: more `keras_boost.step.Stage` objects to run in the step.
-        **kwargs: Keras' own compile arguments, and the options of stages registered
-            with `keras_boost.step.registry.register`.
+        **kwargs: Keras' own compile arguments, and the options of the other registered
+            stages: keras_boost's `fused_update`, `fused_batchnorm` (bools; on at O1/O2),
+            `gradient_clipping`, `compression`, `hierarchical_allreduce` (see their pages
+            in docs/), and those registered with `keras_boost.step.registry.register`.
 
     Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`;
     MindSpore's `boost_config_dict=` is accepted as an alias of `boost_config`):

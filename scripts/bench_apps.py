@@ -31,9 +31,11 @@ Configurations (`--configs`):
     O1-fixed     O1 without self-measurement (every stage of the level stays on, no gate)
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
+    O1-nofusedbn O1 with {"boost": {"fused_batchnorm": False}}: Keras' own BatchNormalization ops
     O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
     O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
     O0-fused     O0 with compile(fused_update=True): the optimizer's update through TensorFlow's fused kernels
+    O0-fusedbn   O0 with compile(fused_batchnorm=True): BatchNormalization through TensorFlow's fused kernel
     O0-scale-fixed, O0-scale-dynamic
                  O0 with loss scaling (FixedLossScale(1024), DynamicLossScale()) in float32
     O1-nogc      O1-mindspore without gradient centralization
@@ -78,8 +80,10 @@ CONFIGS = {
     "O1-noahead": ("O1", None),  # KERAS_BOOST_TRACE_AHEAD=0: each freeze group traced when it first trains
     "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
     "O1-nofreeze": ("O1", O1_NO_FREEZE),
+    "O1-nofusedbn": ("O1", {"boost": {"fused_batchnorm": False}}),
     "O0-noguard": ("O0", None),
     "O0-fused": ("O0", None),
+    "O0-fusedbn": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
     "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
@@ -98,6 +102,7 @@ def compile_options(config):
 
     return {"O0-noguard": lambda: {"nan_guard": False},
             "O0-fused": lambda: {"fused_update": True},
+            "O0-fusedbn": lambda: {"fused_batchnorm": True},
             "O0-scale-fixed": lambda: {"loss_scale": FixedLossScale(1024.0)},
             "O0-scale-dynamic": lambda: {"loss_scale": DynamicLossScale()}}.get(config, dict)()
 

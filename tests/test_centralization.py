@@ -142,3 +142,72 @@ def test_the_boost_step_applies_centralized_gradients():
             assert np.abs(g.mean(axis=0)).max() > 1e-3  # the centring changes something
             g = g - g.mean(axis=0, keepdims=True)
         np.testing.assert_allclose(np.array(variable), before[variable.path] - 0.5 * g, rtol=0, atol=1e-6)
+
+
+def _conv_net(model_class):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", name="c1")(inputs)
+    h = keras.layers.Conv2D(16, 3, padding="same", name="c2")(keras.layers.ReLU()(h))
+    outputs = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling2D()(h))
+    return model_class(inputs, outputs)
+
+
+def _sums_reading(model, shapes):
+    """The `Sum` ops of the traced step (outside the update's cond) whose input has one of `shapes`."""
+    data = (tf.zeros((4, 8, 8, 3)), tf.zeros((4,), tf.int32))
+    graph = tf.function(lambda: model.train_step(data)).get_concrete_function().graph
+    return [op for op in graph.get_operations() if op.type == "Sum" and tuple(op.inputs[0].shape) in shapes]
+
+
+@pytest.mark.parametrize("centralized", [True, False])
+def test_the_finite_check_adds_the_centralization_sums_instead_of_reading_the_gradients_again(centralized):
+    """With GC the NaN guard's check adds GC's per-channel sums: no full pass over a centralised gradient."""
+    from keras_boost import BoostModel
+
+    model = _conv_net(BoostModel)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  gradient_centralization="all" if centralized else None)
+    model.build((None, 8, 8, 3))
+    model.boost_step.build(model.boost_state)
+    kernels = {tuple(v.shape) for v in model.trainable_variables if len(v.shape) >= 2}
+    assert len(_sums_reading(model, kernels)) == (0 if centralized else 3)  # one per kernel without GC
+    assert model.boost_step.nan_guard is not None
+
+
+def test_finite_check_with_column_sums_sees_every_non_finite_value():
+    from keras_boost.core.contract import all_finite
+
+    model = _conv_net(keras.Model)
+    stage = GradientCentralization.every_kernel()
+    stage._select([v for v in model.trainable_variables if len(v.shape) >= 2])
+    variables = model.trainable_variables
+    grads = _random_grads(variables)
+    assert bool(all_finite(grads, stage.column_sums(grads, variables)))
+    for index, values in [(0, [np.inf]), (2, [np.nan]), (0, [np.inf, -np.inf]), (1, [-np.inf])]:  # 1: a bias
+        bad = [g.numpy().copy() for g in grads]
+        flat = bad[index].reshape(-1, bad[index].shape[-1])
+        for row, value in enumerate(values):
+            flat[row * 3, 5] = value  # inf and -inf in one channel: its sum is NaN
+        bad = [tf.constant(b) for b in bad]
+        sums = stage.column_sums(bad, variables)
+        assert (sums[index] is None) == (index == 1)
+        assert not bool(all_finite(bad, sums)), (index, values)
+
+
+def test_nan_guard_with_centralization_stops_before_the_weights_are_touched():
+    from keras_boost import BoostModel
+
+    rng = np.random.default_rng(6)
+    x, y = rng.random((48, 8, 8, 3)).astype(np.float32), rng.integers(0, 4, 48)
+    x[40, 2, 2, 1] = np.nan  # third batch of 16
+    model = _conv_net(BoostModel)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  gradient_centralization="all")
+    seen = []
+    with pytest.raises(FloatingPointError, match="non-finite gradient at batch 2"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: seen.append(
+                      [np.array(w) for w in model.trainable_weights]))])
+    for a, b in zip(seen[-1], model.trainable_weights):
+        np.testing.assert_array_equal(a, np.array(b))  # the refused update left the weights as they were

@@ -129,7 +129,7 @@ class FrozenSteps(keras.callbacks.Callback):
 
 def boost_report(model, frozen_steps=None):
     """What the boost did: BatchNorms removed, share of frozen steps (`frozen_steps`: the `FrozenSteps`
-    of the fit), what the level's self-measurement decided, overflows, fused update."""
+    of the fit), what the level's self-measurement decided, overflows, fused update and BatchNorms."""
     step = model.boost_step
     report = {"level": model.auto_boost.level if model.auto_boost else "O0",
               "precision": keras.config.dtype_policy().name}
@@ -146,6 +146,9 @@ def boost_report(model, frozen_steps=None):
         report["adasum_combine"] = step.adasum.combine_backend or "none (one group)"
     if step.fused_update is not None:
         report["fused_update"] = why_not_fused(step.optimizer) is None
+    if step.fused_batchnorm is not None:
+        report["fused_batchnorm"] = f"{len(step.fused_batchnorm.layers)} of " \
+            f"{len(step.fused_batchnorm.layers) + len(step.fused_batchnorm.not_fused)}"
     return report
 
 

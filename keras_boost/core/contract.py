@@ -2,7 +2,7 @@
 
 A boost step is a loop over stages at fixed hook points (see docs/architecture.md):
 
-    forward + loss
+    forward + loss       inside every `around_forward(model)` context (fused BatchNorm: kernels)
     -> scale_loss        (loss)                        loss scale
     -> gradients of the variables the step trains      (select_branch: freeze)
     -> local_gradients   (grads, indices)              loss scale: unscale
@@ -11,6 +11,8 @@ A boost step is a loop over stages at fixed hook points (see docs/architecture.m
     -> reduce            (grads, indices)              default: average (one grouped allreduce); AdaSum: inside its group;
                                                        hierarchical: inside hosts, then across them
     -> decode            (grads, indices)              compression: cast back
+    -> column_sums       (grads, variables)            gradient centralization: its per-channel sums, once,
+                                                       for the finite check and its own transform
     -> agree_finite      (finite)                      AdaSum: all groups agree
     -> should_skip       (finite)                      loss scale, NaN guard: one decision for all workers
     -> transform         (grads, variables)            gradient centralization
@@ -68,9 +70,10 @@ class Window:
     close: object
 
 
-HOOKS = ("scale_loss", "local_gradients", "window", "encode", "reduce", "decode", "agree_finite", "should_skip",
+HOOKS = ("around_forward", "scale_loss", "local_gradients", "window", "encode", "reduce", "decode", "column_sums",
+         "agree_finite", "should_skip",
          "transform", "around_update", "apply_update", "after_update", "select_branch", "logs")
-SINGLE_HOOKS = ("window", "reduce", "apply_update", "select_branch")
+SINGLE_HOOKS = ("window", "reduce", "column_sums", "apply_update", "select_branch")
 
 
 class Stage:
@@ -108,6 +111,10 @@ class Stage:
         """Raises `TypeError`/`ValueError` at `compile` when the stage cannot work with `optimizer`."""
 
     # -------------------------------------------------------------- hooks
+    def around_forward(self, model):
+        """A context manager the step enters around the forward pass (e.g. the fused BatchNorm's kernels)."""
+        return contextlib.nullcontext()
+
     def scale_loss(self, loss):
         return loss
 
@@ -135,6 +142,17 @@ class Stage:
         E.g. compression casts them back to float32, before `agree_finite`/`should_skip` see them.
         """
         return grads
+
+    def column_sums(self, grads, variables):
+        """For a `transform` stage that sums its gradients anyway: a list parallel to `grads`.
+
+        Each entry is a tensor of sums of one gradient along some of its axes (so finite
+        exactly when the gradient is, up to overflow near float32's limit), or None for a
+        gradient the stage does not sum. The loop asks for them once per update, before the
+        finite check, which adds these sums instead of reading those gradients again, and
+        passes them back as `transform(grads, variables, sums=...)`. None: no sums.
+        """
+        return None
 
     def agree_finite(self, finite):
         return finite
@@ -253,8 +271,11 @@ class Stage:
         return getattr(type(self), hook) is not getattr(Stage, hook)
 
 
-def all_finite(grads):
+def all_finite(grads, sums=None):
     """True when every entry of every gradient is finite.
+
+    `sums`: None, or a list parallel to `grads` of partial sums a stage computed anyway
+    (`Stage.column_sums`), added instead of the float32/float64 gradients they sum.
 
     float32/float64 gradients are checked through their sum: a NaN or an infinity anywhere
     makes it non-finite (inf - inf is NaN), and one reduction per gradient reads each value
@@ -264,9 +285,10 @@ def all_finite(grads):
     be finite either. Half-precision gradients, whose sums overflow at 65504, are checked
     element by element.
     """
-    grads = [g for g in grads if g is not None]
-    wide = [g for g in grads if g.dtype in (tf.float32, tf.float64)]
-    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g.dtype not in (tf.float32, tf.float64)]
+    sums = [None] * len(grads) if sums is None else sums
+    pairs = [(g, s) for g, s in zip(grads, sums) if g is not None]
+    wide = [g if s is None else s for g, s in pairs if g.dtype in (tf.float32, tf.float64)]
+    checks = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in pairs if g.dtype not in (tf.float32, tf.float64)]
     if wide:
         checks.append(tf.math.is_finite(tf.add_n([tf.cast(tf.reduce_sum(g), tf.float64) for g in wide])))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)

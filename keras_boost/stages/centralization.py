@@ -125,10 +125,15 @@ class GradientCentralization(Stage):
             self._select([by_path[p] for p in self._paths])
         self._resolve_at_build = False
 
-    def transform(self, grads, variables):
+    def column_sums(self, grads, variables):
+        """Each centralised gradient's per-channel sums (`ones(1, n) @ grad`), for the finite check and `transform`."""
+        return [column_sums(g) if g is not None and g.dtype in (tf.float32, tf.float64) and self.applies_to(v)
+                else None for g, v in zip(grads, variables)]
+
+    def transform(self, grads, variables, sums=None):
         if self.switch is None:
-            return self.apply(grads, variables)
-        return tf.cond(self.active(), lambda: self.apply(grads, variables), lambda: list(grads))
+            return self.apply(grads, variables, sums)
+        return tf.cond(self.active(), lambda: self.apply(grads, variables, sums), lambda: list(grads))
 
     def measure_alone(self, repeats=5):
         """{"centralize": seconds}: one pass over the selected kernels' shapes, timed out of the step.
@@ -165,12 +170,14 @@ class GradientCentralization(Stage):
         shape = variable.shape
         return id(variable) in self._selected and centralizes(shape, self.min_channels_multiple)
 
-    def apply(self, grads, variables):
+    def apply(self, grads, variables, sums=None):
         """Returns `grads` with the selected ones centralised.
 
         Args:
             grads: list of gradients (tensors or `None`), parallel to `variables`.
             variables: list of the variables the gradients belong to.
+            sums: None, or `column_sums(grads, variables)` computed before (by the step, for
+                its finite check), so that no gradient is summed twice.
 
         Returns:
             A new list of the same length as `grads`.
@@ -180,9 +187,10 @@ class GradientCentralization(Stage):
                 f"`grads` and `variables` must have the same length, got {len(grads)} "
                 f"gradients and {len(variables)} variables."
             )
+        sums = [None] * len(grads) if sums is None else sums
         return [
-            centralize(g) if g is not None and self.applies_to(v) else g
-            for g, v in zip(grads, variables)
+            centralize(g, s) if g is not None and self.applies_to(v) else g
+            for g, v, s in zip(grads, variables, sums)
         ]
 
 
@@ -191,7 +199,15 @@ def centralizes(shape, min_channels_multiple):
     return len(shape) >= 2 and shape[-2] % min_channels_multiple == 0
 
 
-def centralize(grad):
+def column_sums(grad):
+    """Each output channel's sum of `grad`, shape `(1, channels)`: `ones(1, n) @ grad` (see `centralize`)."""
+    grad = tf.convert_to_tensor(grad)  # a variable's gradient: its shape is the variable's, known
+    channels = grad.shape[-1]
+    rows = grad.shape.num_elements() // channels
+    return tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels]))
+
+
+def centralize(grad, sums=None):
     """`grad - mean(grad, axes=all but the last)`: each output channel's mean gradient removed.
 
     The means are one matrix product, `ones(1, n) @ grad` with `grad` seen as `(n, channels)`
@@ -199,13 +215,12 @@ def centralize(grad):
     at memory speed on every core: on ResNet50's 23.5 M centralised values 12.0 ms against
     `tf.reduce_mean`'s 20.3 ms, and the step's GC and fused update 30.7 against 40.3 ms
     (`scripts/experiments/bench_fused_update.py --gc-forms`; docs/benchmarks.md). The
-    results agree within float32 rounding (the sums run in another order).
+    results agree within float32 rounding (the sums run in another order). `sums`: those
+    sums computed before (`column_sums(grad)`), or None to compute them here.
     """
-    grad = tf.convert_to_tensor(grad)  # a variable's gradient: its shape is the variable's, known
-    channels = grad.shape[-1]
-    rows = grad.shape.num_elements() // channels
-    means = tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels])) / rows
-    return grad - means  # (1, channels) broadcasts over every leading axis
+    grad = tf.convert_to_tensor(grad)
+    sums = column_sums(grad) if sums is None else sums
+    return grad - sums / (grad.shape.num_elements() // grad.shape[-1])  # (1, channels) broadcasts over leading axes
 
 
 def _describe(value):

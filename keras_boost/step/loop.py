@@ -4,11 +4,11 @@
 `keras_boost.core.contract`, not the features: the stages come from the registry
 (`keras_boost.step.registry`), in its order, and each acts only at the hooks it overrides.
 
-    [select_branch: group k] -> forward + loss -> scale_loss -> gradients of group k only
+    [select_branch: group k] -> [around_forward: fused BatchNorm] forward + loss -> scale_loss -> gradients of group k only
     -> local_gradients -> [window: go on only at a boundary]
     -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
        "each": every gradient to Horovod as soon as it exists) -> decode
-    -> [agree_finite -> should_skip: one decision, identical on every worker]
+    -> [column_sums -> agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> [around_update: fused kernels] apply_update (default: optimizer.apply) -> after_update -> logs
 
 With several branches (gradient freezing), `BoostModel.fit` and the standalone step compile
@@ -218,7 +218,10 @@ class BoostStep:
         watched = [self._variables[i].value for i in indices]  # the tf.Variables under the Keras ones
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(watched)
-            y_pred = self.model(x, training=True)
+            with contextlib.ExitStack() as around:
+                for stage in self._with("around_forward"):
+                    around.enter_context(stage.around_forward(self.model))
+                y_pred = self.model(x, training=True)
             if self.loss_fn is None:
                 loss = _keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight)
             else:
@@ -263,17 +266,19 @@ class BoostStep:
         """Communicates once, decides for all workers whether to apply, applies, then after_update."""
         grads = self._communicate(grads, indices, self._with("reduce")[0].reduce)
         variables = [self._variables[i] for i in indices]
-        finite = None
+        finite = sums = None
         if self._needs_finite:
-            finite = all_finite(grads)
+            summing = self._with("column_sums")  # e.g. centralization's: the check reads them, not the gradients
+            sums = summing[0].column_sums(grads, variables) if summing else None
+            finite = all_finite(grads, sums)
             for stage in self._with("agree_finite"):
                 finite = stage.agree_finite(finite)
         skips = [s for s in (stage.should_skip(finite) for stage in self._with("should_skip")) if s is not None]
         if not skips:
-            self._apply(grads, variables)
+            self._apply(grads, variables, sums)
         else:
             skip = skips[0] if len(skips) == 1 else tf.reduce_any(tf.stack(skips))
-            run_if(tf.logical_not(skip), lambda: self._apply(grads, variables))
+            run_if(tf.logical_not(skip), lambda: self._apply(grads, variables, sums))
         for stage in self._with("after_update"):
             stage.after_update()
 
@@ -286,12 +291,16 @@ class BoostStep:
             grads = stage.decode(grads, indices)
         return grads
 
-    def _apply(self, grads, variables):
+    def _apply(self, grads, variables, sums=None):
         # Keras' TF optimizer passes the gradients through a custom_gradient that wants them
         # all from one graph; inside a cond some would otherwise be captures of the outer graph.
         grads = [tf.identity(g) for g in grads]
         for stage in self._with("transform"):
-            grads = stage.transform(grads, variables)
+            if sums is not None and stage.overrides("column_sums"):
+                grads = stage.transform(grads, variables, sums=sums)
+            else:
+                grads = stage.transform(grads, variables)
+                sums = None  # the gradients changed: sums of them before no longer hold
         with contextlib.ExitStack() as around:
             for stage in self._with("around_update"):
                 around.enter_context(stage.around_update(self.optimizer))

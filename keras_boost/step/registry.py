@@ -188,6 +188,7 @@ BUILTIN = (
     ("centralization", "GradientCentralization", ()),
     ("clipping", "GradientClipping", ()),
     ("fused_update", "FusedUpdate", ()),
+    ("fused_batchnorm", "FusedBatchNorm", ()),
     ("adasum", "AdaSum", ()),
     ("compression", "GradientCompression", ()),
     ("hierarchical", "HierarchicalAllreduce", ()),
