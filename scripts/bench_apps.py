@@ -62,7 +62,7 @@ from keras_boost.app import turns
 from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
 from keras_boost.config import MINDSPORE_DEFAULTS
 
-FAMILIES = ("resnet50", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo")
+FAMILIES = ("resnet50", "resnet50v2", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo")
 # keras.applications at 32x32x3; keras-io's mnist_convnet and keras_boost's demo network at 28x28x1
 INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1)}
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
@@ -128,6 +128,7 @@ def application(family, input_shape=None, classes=10):
         return demo_resnet(input_shape=input_shape, classes=classes, model_class=keras.Model)
     constructors = {
         "resnet50": keras.applications.ResNet50,
+        "resnet50v2": keras.applications.ResNet50V2,
         "mobilenetv2": keras.applications.MobileNetV2,
         "densenet121": keras.applications.DenseNet121,
         "efficientnetb0": keras.applications.EfficientNetB0,
