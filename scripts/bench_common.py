@@ -36,3 +36,26 @@ class EpochTimer(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.times.append(time.perf_counter() - self._start)
+
+
+def profiled_ops(logdir):
+    """{"<op name>:<op type>": [milliseconds of each run]} of the TensorFlow ops the profiler wrote to `logdir`."""
+    import collections
+    import glob
+
+    from tensorflow.core.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
+        space.ParseFromString(f.read())
+    runs = collections.defaultdict(list)
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("tf_"):
+                continue
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                if ":" in name and "::" not in name:  # "<op name>:<op type>", not the executor's own events
+                    runs[name].append(event.duration_ps / 1e9)
+    return runs

@@ -103,6 +103,7 @@ class Stage:
     measurable = False
     level_section = None
     switch = None  # a boolean tf.Variable once `add_switch` made one: the stage acts while it is True
+    on_with_true = False  # whether `compile(<option>=True)` makes the stage with its defaults (`from_option`)
 
     def build(self, context):
         """Creates the stage's state from `context` (eager, once)."""
@@ -214,12 +215,20 @@ class Stage:
 
     @classmethod
     def from_option(cls, value, model):
-        """The stage for `compile(<option>=value)`, or None when `value` switches it off."""
+        """The stage for `compile(<option>=value)`, or None when `value` switches it off.
+
+        None and False switch it off, a stage of this class is taken as it is, and True
+        makes `cls()` where the class sets `on_with_true`.
+        """
         if value is None or value is False:
             return None
         if isinstance(value, cls):
             return value
-        raise TypeError(f"`{cls.option}` must be None or a {cls.__name__}, got {value!r} ({type(value).__name__}).")
+        if value is True and cls.on_with_true:
+            return cls()
+        allowed = "a bool" if cls.on_with_true else "None"
+        raise TypeError(f"`{cls.option}` must be {allowed} or a {cls.__name__}, got {value!r} "
+                        f"({type(value).__name__}).")
 
     @classmethod
     def from_level(cls, boost_config, validate=False):

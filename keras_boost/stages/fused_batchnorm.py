@@ -32,7 +32,6 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops
 
 from keras_boost import _keras_compat
-from keras_boost._validation import check_bool
 from keras_boost.core.contract import Stage
 
 _MIN_EPSILON = 1.001e-5  # TensorFlow's floor for the fused kernel (cuDNN's CUDNN_BN_MIN_EPSILON, with a margin)
@@ -47,20 +46,10 @@ class FusedBatchNorm(Stage):
 
     option = "fused_batchnorm"
     step_attribute = "fused_batchnorm"
+    on_with_true = True
 
     def __init__(self):
         self.layers, self.not_fused = [], {}
-
-    @classmethod
-    def from_option(cls, value, model):
-        if value is None or value is False:
-            return None
-        if isinstance(value, cls):
-            return value
-        if value is True:
-            return cls()
-        raise TypeError(f"`fused_batchnorm` must be a bool or a FusedBatchNorm, got {value!r} "
-                        f"({type(value).__name__}).")
 
     @classmethod
     def from_level(cls, boost_config, validate=False):

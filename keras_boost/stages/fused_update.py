@@ -42,19 +42,10 @@ class FusedUpdate(Stage):
 
     option = "fused_update"
     step_attribute = "fused_update"
+    on_with_true = True
 
     def __init__(self, strict=True):
         self.strict = check_bool("strict", strict)
-
-    @classmethod
-    def from_option(cls, value, model):
-        if value is None or value is False:
-            return None
-        if isinstance(value, cls):
-            return value
-        if value is True:
-            return cls()
-        raise TypeError(f"`fused_update` must be a bool or a FusedUpdate, got {value!r} ({type(value).__name__}).")
 
     @classmethod
     def from_level(cls, boost_config, validate=False):

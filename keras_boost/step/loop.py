@@ -4,8 +4,8 @@
 `keras_boost.core.contract`, not the features: the stages come from the registry
 (`keras_boost.step.registry`), in its order, and each acts only at the hooks it overrides.
 
-    [select_branch: group k] -> [around_forward: fused BatchNorm] forward + loss -> scale_loss -> gradients of group k only
-    -> local_gradients -> [window: go on only at a boundary]
+    [select_branch: group k] -> [around_forward: fused BatchNorm] forward + loss -> scale_loss
+    -> gradients of group k only -> local_gradients -> [window: go on only at a boundary]
     -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
        "each": every gradient to Horovod as soon as it exists) -> decode
     -> [column_sums -> agree_finite -> should_skip: one decision, identical on every worker]

@@ -11,7 +11,6 @@ one warm-up call) and the slowest op types of one profiled gradient call.
 
 import argparse
 import collections
-import glob
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
-import bench_common  # noqa: F401,E402 (first: this checkout's keras_boost on sys.path, not the installed one)
+import bench_common  # noqa: E402 (first: this checkout's keras_boost on sys.path, not the installed one)
 from keras_boost.app import turns
 
 
@@ -27,7 +26,6 @@ def worker(top):
     import keras
     import numpy as np
     import tensorflow as tf
-    from tensorflow.core.profiler.protobuf import xplane_pb2
 
     model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
     rng = np.random.default_rng(0)
@@ -56,20 +54,11 @@ def worker(top):
         tf.profiler.experimental.start(logdir)
         gradient(x, y)[0].numpy()
         tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
-        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
-            space.ParseFromString(f.read())
+        runs = bench_common.profiled_ops(logdir)
     ops, slowest = collections.Counter(), collections.Counter()
-    for plane in space.planes:
-        names = {key: meta.name for key, meta in plane.event_metadata.items()}
-        for line in plane.lines:
-            if not line.name.startswith("tf_"):
-                continue
-            for event in line.events:
-                name = names.get(event.metadata_id, "")
-                if ":" in name and "::" not in name:  # "<op name>:<op type>", not the executor's own events
-                    ops[name.rsplit(":", 1)[1]] += event.duration_ps / 1e9
-                    slowest[name] = max(slowest[name], event.duration_ps / 1e9)
+    for name, durations in runs.items():
+        ops[name.rsplit(":", 1)[1]] += sum(durations)
+        slowest[name] = max(durations)
     print("RESULT " + json.dumps({"times": times, "ops": ops.most_common(top), "slowest": slowest.most_common(top)}))
 
 

@@ -11,7 +11,6 @@ take the most. The profiler slows the step a little; compare configurations, not
 
 import argparse
 import collections
-import glob
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/, for bench_common
-import bench_common  # noqa: F401,E402 (sys.path and log level)
+import bench_common  # noqa: E402 (sys.path and log level)
 
 STEPS = 8
 
@@ -29,7 +28,6 @@ def worker(family, config, top):
     import keras
     import numpy as np
     import tensorflow as tf
-    from tensorflow.core.profiler.protobuf import xplane_pb2
 
     import bench_apps
 
@@ -53,19 +51,9 @@ def worker(family, config, top):
                 wall["step"] = (time.perf_counter() - wall["start"]) / STEPS
 
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=STEPS + 5, verbose=0, callbacks=[Profile()])
-    space = xplane_pb2.XSpace()
-    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
-        space.ParseFromString(f.read())
     ops = collections.Counter()
-    for plane in space.planes:
-        names = {key: meta.name for key, meta in plane.event_metadata.items()}
-        for line in plane.lines:
-            if not line.name.startswith("tf_"):
-                continue
-            for event in line.events:
-                name = names.get(event.metadata_id, "")
-                if ":" in name and "::" not in name:  # "<op name>:<op type>", not the executor's own events
-                    ops[name.rsplit(":", 1)[1]] += event.duration_ps / 1e9 / STEPS
+    for name, runs in bench_common.profiled_ops(logdir).items():
+        ops[name.rsplit(":", 1)[1]] += sum(runs) / STEPS
     print("RESULT " + json.dumps({"wall": 1000 * wall["step"], "total": sum(ops.values()),
                                   "ops": ops.most_common(top)}))
 
