@@ -136,8 +136,9 @@ def fused_batch_norm(layer, inputs):
     shape = tf.shape(x)
     if len(x.shape) != 4:  # the kernel takes NHWC: every axis but the channels' becomes N, H or W
         x = tf.reshape(x, tf.stack([shape[0], -1, 1, channels]))
-    scale = tf.cast(layer.gamma, tf.float32) if layer.scale else tf.ones([channels], tf.float32)
-    offset = tf.cast(layer.beta, tf.float32) if layer.center else tf.zeros([channels], tf.float32)
+    # the variables are float32 (`why_not_fused`)
+    scale = tf.convert_to_tensor(layer.gamma) if layer.scale else tf.ones([channels], tf.float32)
+    offset = tf.convert_to_tensor(layer.beta) if layer.center else tf.zeros([channels], tf.float32)
     empty = tf.constant([], tf.float32)
     y, mean, unbiased, _, _, _ = gen_nn_ops.fused_batch_norm_v3(
         x, scale, offset, empty, empty, epsilon=layer.epsilon, exponential_avg_factor=1.0,
@@ -146,8 +147,8 @@ def fused_batch_norm(layer, inputs):
     n = tf.cast(tf.size(x) // channels, tf.float32)
     variance = unbiased * tf.where(n > 1.0, (n - 1.0) / tf.maximum(n, 1.0), 1.0)
     momentum = layer.momentum
-    layer.moving_mean.assign(tf.cast(layer.moving_mean, tf.float32) * momentum + mean * (1.0 - momentum))
-    layer.moving_variance.assign(tf.cast(layer.moving_variance, tf.float32) * momentum + variance * (1.0 - momentum))
+    layer.moving_mean.assign(layer.moving_mean * momentum + mean * (1.0 - momentum))
+    layer.moving_variance.assign(layer.moving_variance * momentum + variance * (1.0 - momentum))
     if len(inputs.shape) != 4:
         y = tf.reshape(y, shape)
     return tf.cast(y, layer.compute_dtype)
