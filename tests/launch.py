@@ -192,6 +192,7 @@ SHARED = {
         ("mindspore_config", "mindspore_config", []),
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
+        ("sparse_equivalence", "sparse_equivalence", []),
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
         ("accumulation_equivalence", "accumulation_equivalence", []),
         ("freeze_training", "freeze_training", []),

@@ -31,6 +31,18 @@ def test_two_workers_equal_one_process_with_twice_the_batch(controller):
     assert ops["ops"] == {"None": {"HorovodGroupedAllreduce": 1}, "each": {"HorovodAllreduce": ops["gradients"]}}, ops
 
 
+def test_sparse_gradients_on_two_workers_equal_one_process_with_twice_the_batch():
+    """An Embedding's IndexedSlices through Horovod, the NaN guard (with and without a loss scale) and GC "all"."""
+    found = shared("gloo", "sparse_equivalence")
+    for rank in (0, 1):
+        assert found[rank]["moved"] > 1e-2, found[rank]  # training changed the weights
+        for run in ("guard", "loss_scale"):
+            assert found[rank][run]["diff"] < 1e-5, (run, found[rank])
+            assert found[rank][run]["untouched_rows_moved"] > 0, (run, found[rank])  # GC moved rows without gradient
+    for run in ("guard", "loss_scale"):
+        assert found[0][run]["digest"] == found[1][run]["digest"]  # bit-identical weights on every rank
+
+
 # Both worker scripts train for far longer than the launcher's timeout would allow (20 and 50
 # epochs of 64 steps) and print the time of the failure: the run must end within PROMPT
 # seconds of it, and no rank may reach the end of fit (each reports `finished` after it). A

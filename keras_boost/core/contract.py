@@ -280,6 +280,17 @@ class Stage:
         return getattr(type(self), hook) is not getattr(Stage, hook)
 
 
+def map_values(fn, grad):
+    """`fn(grad)`; for a `tf.IndexedSlices` gradient (an `Embedding`'s), `fn` of its values, kept sparse.
+
+    For elementwise maps that send zero to zero (scaling, casting): a dense gradient
+    made of the sparse one would have `fn`'s values in the same rows and zeros elsewhere.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
 def all_finite(grads, sums=None):
     """True when every entry of every gradient is finite.
 
@@ -292,10 +303,11 @@ def all_finite(grads, sums=None):
     cheaper on ResNet50's gradients here). The sum of finite values can itself overflow
     only when the gradients are near float32's limit (3.4e38), where the update would not
     be finite either. Half-precision gradients, whose sums overflow at 65504, are checked
-    element by element.
+    element by element. A `tf.IndexedSlices` gradient (an `Embedding`'s) is checked through
+    its values, never made dense.
     """
     sums = [None] * len(grads) if sums is None else sums
-    pairs = [(g, s) for g, s in zip(grads, sums) if g is not None]
+    pairs = [(g.values if isinstance(g, tf.IndexedSlices) else g, s) for g, s in zip(grads, sums) if g is not None]
     wide = [g if s is None else s for g, s in pairs if g.dtype in (tf.float32, tf.float64)]
     checks = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in pairs if g.dtype not in (tf.float32, tf.float64)]
     if wide:

@@ -73,7 +73,7 @@ class GradientCentralization(OptimizerAdapter):
         """The gradients with the selected ones centred (None passes through)."""
         out = []
         for g, v in zip(grads, trainable_variables):
-            out.append(centralize(g) if g is not None and self.applies_to(v) else g)
+            out.append(centralize(g, shape=v.shape) if g is not None and self.applies_to(v) else g)
         return out
 
     def apply(self, grads, trainable_variables=None):

@@ -189,7 +189,7 @@ class GradientCentralization(Stage):
             )
         sums = [None] * len(grads) if sums is None else sums
         return [
-            centralize(g, s) if g is not None and self.applies_to(v) else g
+            centralize(g, s, shape=v.shape) if g is not None and self.applies_to(v) else g
             for g, v, s in zip(grads, variables, sums)
         ]
 
@@ -200,14 +200,22 @@ def centralizes(shape, min_channels_multiple):
 
 
 def column_sums(grad):
-    """Each output channel's sum of `grad`, shape `(1, channels)`: `ones(1, n) @ grad` (see `centralize`)."""
+    """Each output channel's sum of `grad`, shape `(1, channels)`: `ones(1, n) @ grad` (see `centralize`).
+
+    A `tf.IndexedSlices` gradient (an `Embedding` table's) is summed over its rows of
+    values, without making it dense: the dense gradient adds repeated rows, so its column
+    sums are the same.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        values = grad.values
+        return tf.reduce_sum(tf.reshape(values, [-1, values.shape[-1]]), axis=0, keepdims=True)
     grad = tf.convert_to_tensor(grad)  # a variable's gradient: its shape is the variable's, known
     channels = grad.shape[-1]
     rows = grad.shape.num_elements() // channels
     return tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels]))
 
 
-def centralize(grad, sums=None):
+def centralize(grad, sums=None, shape=None):
     """`grad - mean(grad, axes=all but the last)`: each output channel's mean gradient removed.
 
     The means are one matrix product, `ones(1, n) @ grad` with `grad` seen as `(n, channels)`
@@ -217,10 +225,26 @@ def centralize(grad, sums=None):
     (`scripts/experiments/bench_fused_update.py --gc-forms`; docs/benchmarks.md). The
     results agree within float32 rounding (the sums run in another order). `sums`: those
     sums computed before (`column_sums(grad)`), or None to compute them here.
+
+    A `tf.IndexedSlices` gradient (an `Embedding` table's, rows of a `(vocabulary, dim)`
+    kernel) comes back dense, as the keras-io recipe's `grad - mean(grad)` makes it: every
+    row moves by minus the mean. `shape`: the variable's shape, which such a gradient's
+    static shape does not carry (None: read from its `dense_shape` when that is a constant).
     """
-    grad = tf.convert_to_tensor(grad)
     sums = column_sums(grad) if sums is None else sums
+    grad = _dense(grad, shape)
     return grad - sums / (grad.shape.num_elements() // grad.shape[-1])  # (1, channels) broadcasts over leading axes
+
+
+def _dense(grad, shape):
+    if not isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    if shape is None:
+        shape = tf.get_static_value(grad.dense_shape)
+    if shape is None or any(d is None for d in tf.TensorShape(shape).as_list()):
+        raise ValueError("centralize: a tf.IndexedSlices gradient needs `shape` (the variable's shape); its "
+                         f"dense_shape {grad.dense_shape!r} is not known while tracing.")
+    return tf.reshape(tf.convert_to_tensor(grad), tf.TensorShape(shape).as_list())  # repeated rows added
 
 
 def _describe(value):

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import distributed
-from keras_boost.core.contract import Stage
+from keras_boost.core.contract import Stage, map_values
 
 _ALIASES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _DTYPES = "'float16' (or 'fp16') or 'bfloat16' (or 'bf16')"
@@ -84,7 +84,7 @@ def compress(grads, dtype, workers):
         saturated = tf.where(tf.math.is_finite(g), tf.clip_by_value(g, -bound, bound), g)
         return tf.cast(saturated, wire)
 
-    return [_map_values(one, g) for g in grads]
+    return [map_values(one, g) for g in grads]
 
 
 def decompress(grads, dtypes):
@@ -92,13 +92,7 @@ def decompress(grads, dtypes):
     def back(dtype):
         return lambda g: g if g is None or g.dtype == dtype else tf.cast(g, dtype)
 
-    return [_map_values(back(dtype), g) for g, dtype in zip(grads, dtypes)]
-
-
-def _map_values(fn, g):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
-    return fn(g)
+    return [map_values(back(dtype), g) for g, dtype in zip(grads, dtypes)]
 
 
 def _dtype_of(g):

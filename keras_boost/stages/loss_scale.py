@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost._validation import alias, check_bool, check_int, check_real
-from keras_boost.core.contract import Stage, all_finite  # noqa: F401 (all_finite: its home was here)
+from keras_boost.core.contract import Stage, all_finite, map_values  # noqa: F401 (all_finite: its home was here)
 
 DEFAULT_INIT_SCALE = 2.0**15
 
@@ -70,7 +70,7 @@ class LossScale(Stage):
 
     def unscale(self, grads):
         inverse = 1.0 / tf.convert_to_tensor(self.scale)
-        return [None if g is None else g * tf.cast(inverse, g.dtype) for g in grads]
+        return [None if g is None else map_values(lambda v: v * tf.cast(inverse, v.dtype), g) for g in grads]
 
     def local_gradients(self, grads, indices):
         return self.unscale(grads)
