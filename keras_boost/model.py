@@ -245,7 +245,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.distributed import dropin
         from keras_boost.distributed.callbacks import (AverageBatchNormStatistics, BroadcastGlobalVariablesCallback,
-                                                       NonFiniteGuard)
+                                                       NonFiniteGuard, StopTogether)
         from keras_boost.distributed.elastic import elastic_launch
 
         callbacks = list(callbacks or [])
@@ -268,6 +268,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
             guard = watchdog.StallWatchdog()
             callbacks.insert(0, guard)
+            if not elastic_launch():  # every worker stops after the same epoch (an elastic job re-forms instead)
+                together = StopTogether()
+                callbacks.append(together)  # after the user's: it decides once they have all asked
+                self.__dict__["_stop_together"] = together
             guard.start()
             try:
                 kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs))
@@ -282,7 +286,24 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                     "stall warning above names the missing ranks and tensors)") from error
             finally:
                 guard.stop()
+                together = self.__dict__.pop("_stop_together", None)
+                if together is not None:
+                    self.__dict__["_stop_training"] = together.decision()
         return super().fit(callbacks=callbacks, verbose=verbose, **_keras_compat.without_epoch_stalls(kwargs))
+
+    @property
+    def stop_training(self):
+        """Keras' flag; in a fit on several workers, the workers' common decision (`callbacks.StopTogether`)."""
+        together = self.__dict__.get("_stop_together")
+        return together.decision() if together is not None else self.__dict__.get("_stop_training", False)
+
+    @stop_training.setter
+    def stop_training(self, value):
+        together = self.__dict__.get("_stop_together")
+        if together is not None:
+            together.request(value)
+        else:
+            self.__dict__["_stop_training"] = value
 
     def _self_measurement(self):
         """The callback that times the level's measured stages in this fit, or None (`step/tuning.py`)."""

@@ -6,7 +6,8 @@ Every configuration runs in its own process (a fresh TensorFlow, nothing shared)
 configurations take turns round after round, their order rotated by one per round
 (`keras_boost.app.turns`, the method every benchmark shares), and each process trains
 with `fit` as users call it: `--epochs` epochs of `--steps` steps of batch `--batch-size` on 32x32x3 inputs
-(random data: this measures speed, not accuracy). Reported per configuration: the median
+(28x28x1 for mnist_convnet and demo; for text_transformer, keras-io's text classification
+transformer, 200 tokens of a 20000-word vocabulary) (random data: this measures speed, not accuracy). Reported per configuration: the median
 step time after the first epoch (each run's mean step without each epoch's first step,
 which also starts the epoch, and without the steps that traced a function; then the median
 and range over the rounds: a freeze group traced when it first trains is one slow step,
@@ -62,9 +63,12 @@ from keras_boost.app import turns
 from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic, shared with keras-boost bench)
 from keras_boost.config import MINDSPORE_DEFAULTS
 
-FAMILIES = ("resnet50", "resnet50v2", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo")
-# keras.applications at 32x32x3; keras-io's mnist_convnet and keras_boost's demo network at 28x28x1
-INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1)}
+FAMILIES = ("resnet50", "resnet50v2", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo",
+            "text_transformer")
+# keras.applications at 32x32x3; keras-io's mnist_convnet and keras_boost's demo network at 28x28x1;
+# keras-io's text transformer on sequences of 200 tokens of a 20000-word vocabulary
+INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1), "text_transformer": (200,)}
+VOCABULARY = 20000
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
 # MindSpore's values where keras_boost's defaults differ, named so that these configurations
 # mean what docs/benchmarks.md says whatever keras_boost's defaults are.
@@ -122,6 +126,8 @@ def application(family, input_shape=None, classes=10):
             keras.layers.Dropout(0.5),
             keras.layers.Dense(classes, activation="softmax"),
         ])
+    if family == "text_transformer":
+        return text_transformer(input_shape[0], classes)
     if family == "demo":
         from keras_boost.app.demo_net import demo_resnet
 
@@ -134,6 +140,60 @@ def application(family, input_shape=None, classes=10):
         "efficientnetb0": keras.applications.EfficientNetB0,
     }
     return constructors[family](weights=None, input_shape=input_shape, classes=classes)
+
+
+def text_transformer(maxlen, classes):
+    """keras-io's examples/nlp/text_classification_with_transformer.py, as written there
+    (its `TransformerBlock` and `TokenAndPositionEmbedding`: MultiHeadAttention, LayerNorm,
+    two Embedding tables, whose gradients are `tf.IndexedSlices`), `classes` outputs."""
+    import keras
+    from keras import layers, ops
+
+    class TransformerBlock(layers.Layer):
+        def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+            super().__init__()
+            self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+            self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+            self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+            self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+            self.dropout1 = layers.Dropout(rate)
+            self.dropout2 = layers.Dropout(rate)
+
+        def call(self, inputs):
+            attn_output = self.dropout1(self.att(inputs, inputs))
+            out1 = self.layernorm1(inputs + attn_output)
+            ffn_output = self.dropout2(self.ffn(out1))
+            return self.layernorm2(out1 + ffn_output)
+
+    class TokenAndPositionEmbedding(layers.Layer):
+        def __init__(self, maxlen, vocab_size, embed_dim):
+            super().__init__()
+            self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+            self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+        def call(self, x):
+            positions = self.pos_emb(ops.arange(start=0, stop=ops.shape(x)[-1], step=1))
+            return self.token_emb(x) + positions
+
+    embed_dim, num_heads, ff_dim = 32, 2, 32
+    inputs = layers.Input(shape=(maxlen,))
+    x = TokenAndPositionEmbedding(maxlen, VOCABULARY, embed_dim)(inputs)
+    x = TransformerBlock(embed_dim, num_heads, ff_dim)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dropout(0.1)(x)
+    x = layers.Dense(20, activation="relu")(x)
+    x = layers.Dropout(0.1)(x)
+    return keras.Model(inputs=inputs, outputs=layers.Dense(classes, activation="softmax")(x))
+
+
+def sample_inputs(family, n, rng):
+    """`n` random inputs of `family`: tokens for the text family, values in [0, 1) for the others."""
+    import numpy as np
+
+    shape = INPUT_SHAPES.get(family, (32, 32, 3))
+    if family == "text_transformer":
+        return rng.integers(0, VOCABULARY, (n, *shape)).astype(np.int32)
+    return rng.random((n, *shape), dtype=np.float32)
 
 
 def _group_config(config):
@@ -210,8 +270,7 @@ def worker(args):
 
     model = build(args.model, args.worker)
     rng = np.random.default_rng(distributed.rank())
-    shape = INPUT_SHAPES.get(args.model, (32, 32, 3))
-    x = rng.random((args.steps * args.batch_size, *shape), dtype=np.float32)
+    x = sample_inputs(args.model, args.steps * args.batch_size, rng)
     y = rng.integers(0, 10, len(x))
 
     class Times(keras.callbacks.Callback):

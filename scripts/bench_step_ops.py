@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--model", choices=bench_apps.FAMILIES, default="resnet50")
     parser.add_argument("--configs", nargs="+", type=bench_apps.config_name, default=["keras", "O0", "freeze-p1"])
     args = parser.parse_args()
-    x = np.zeros((32, *bench_apps.INPUT_SHAPES.get(args.model, (32, 32, 3))), np.float32)
+    x = np.zeros_like(bench_apps.sample_inputs(args.model, 32, np.random.default_rng(0)))
     y = np.zeros((32,), np.int64)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     counts = {}

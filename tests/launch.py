@@ -193,6 +193,7 @@ SHARED = {
         ("topology", "topology", []),
         ("train_equivalence", "train_equivalence", []),
         ("sparse_equivalence", "sparse_equivalence", []),
+        ("stop_together", "stop_together", []),
         ("overflow_on_one_rank", "overflow_on_one_rank", []),
         ("accumulation_equivalence", "accumulation_equivalence", []),
         ("freeze_training", "freeze_training", []),

@@ -170,9 +170,26 @@ def add_loss_and_regularizer(cls):
     return {"history": history, "weights": _weights(model)}
 
 
+def stop_training_mid_epoch(cls):
+    """A callback that sets `model.stop_training` at a batch: in one process fit stops right
+    after that batch, as Keras' does (on several workers at the epoch's end, tests/test_multiprocess.py)."""
+    x, y = _data()
+
+    class StopAtBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                self.model.stop_training = True
+
+    model = _compiled(cls)
+    history = _fit(model, x, y, batch_size=8, epochs=3, callbacks=[StopAtBatch()])
+    return {"history": history, "weights": _weights(model), "iterations": int(model.optimizer.iterations.numpy()),
+            "stopped": float(model.stop_training)}
+
+
 BEHAVIOURS = [sample_weight, class_weight, validation_split, validation_data_and_freq, steps_per_execution,
               multi_output, early_stopping, reduce_lr_on_plateau, tf_data_input, keras_file_round_trip,
-              initial_epoch_and_batch_methods, evaluate_and_predict, add_loss_and_regularizer]
+              initial_epoch_and_batch_methods, evaluate_and_predict, add_loss_and_regularizer,
+              stop_training_mid_epoch]
 
 
 def _assert_same(a, b, where="result"):

@@ -43,6 +43,19 @@ def test_sparse_gradients_on_two_workers_equal_one_process_with_twice_the_batch(
         assert found[0][run]["digest"] == found[1][run]["digest"]  # bit-identical weights on every rank
 
 
+def test_a_callback_that_stops_one_worker_stops_every_worker_after_the_same_epoch():
+    """256 samples on each worker / 16 = 16 steps per epoch; a stop asked during epoch 1 (0-based)
+    takes effect at its end on both workers, one asked at the end of epoch 2 right there."""
+    found = shared("gloo", "stop_together")
+    expected = {"rank0_mid_epoch": 2, "rank1_epoch_end": 3, "early_stopping": 2}
+    for run, epochs in expected.items():
+        for rank in (0, 1):
+            assert found[rank][run]["epochs"] == epochs, (run, found[rank][run])
+            assert found[rank][run]["iterations"] == 16 * epochs, (run, found[rank][run])
+            assert found[rank][run]["stopped"] is True, (run, found[rank][run])
+        assert found[0][run]["digest"] == found[1][run]["digest"], run
+
+
 # Both worker scripts train for far longer than the launcher's timeout would allow (20 and 50
 # epochs of 64 steps) and print the time of the failure: the run must end within PROMPT
 # seconds of it, and no rank may reach the end of fit (each reports `finished` after it). A

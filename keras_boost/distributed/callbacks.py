@@ -62,6 +62,56 @@ class NonFiniteGuard(keras.callbacks.Callback):
             )
 
 
+class StopTogether(keras.callbacks.Callback):
+    """Makes `model.stop_training` one decision of all workers, taken at the end of each epoch.
+
+    A callback that stops training on some workers only (a rank-0-only rule, a time budget,
+    `TerminateOnNaN` on a worker whose loss alone is NaN) would leave the others waiting in
+    the next step's allreduce until the stall timeout ends the job. `BoostModel.fit` adds
+    this callback after the user's under a launcher with more than one worker, and routes
+    `model.stop_training` through it: a request made during the epoch's batches is held
+    (the workers go on together; one line on the worker that asked), and at the end of the
+    epoch, after the user's callbacks, one eager collective (a max of every worker's
+    request) decides for all of them, so every worker stops after the same epoch.
+    EarlyStopping, which reads the epoch logs that every worker shares, stops exactly
+    where it does in one process. Reading `model.stop_training` runs no collective.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._requested = False  # this worker's callbacks asked to stop
+        self._decided = False  # the workers' decision at the end of the last epoch
+        self._at_epoch_end = False
+        self._warned = False
+        self._batch = None
+
+    def request(self, value):
+        """What a callback's `model.stop_training = value` does during a distributed fit."""
+        self._requested = bool(value)
+        if self._requested and not self._at_epoch_end and not self._warned:
+            self._warned = True
+            print(f"keras_boost: rank {distributed.rank()} asked to stop training at batch {self._batch}; with "
+                  f"{distributed.size()} workers all of them stop together at the end of this epoch (a worker that "
+                  "stopped alone would leave the others waiting in the next step's allreduce)", flush=True)
+
+    def decision(self):
+        """`model.stop_training` as Keras reads it: False during the batches, the workers' decision after them."""
+        return self._decided if self._at_epoch_end else False
+
+    def on_train_begin(self, logs=None):
+        self._requested = self._decided = self._at_epoch_end = self._warned = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._at_epoch_end = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        votes = distributed.allreduce(tf.constant(1.0 if self._requested else 0.0, tf.float32))
+        self._decided, self._at_epoch_end = bool(float(votes) > 0), True
+
+
 class MetricAverageCallback(keras.callbacks.Callback):
     """Averages the epoch logs across workers, so every rank sees the same numbers.
 

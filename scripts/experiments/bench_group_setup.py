@@ -30,14 +30,13 @@ def main():
     import numpy as np
     import tensorflow as tf
 
-    from bench_apps import INPUT_SHAPES, build
+    from bench_apps import build, sample_inputs
 
     if args.split:
         os.environ["KERAS_BOOST_TRACE_AHEAD"] = "0"
     model = build(args.model, "O1-fixed" if args.split else "O1")
-    shape = INPUT_SHAPES.get(args.model, (32, 32, 3))
     rng = np.random.default_rng(0)
-    x = rng.random((30 * args.batch_size, *shape), dtype=np.float32)
+    x = sample_inputs(args.model, 30 * args.batch_size, rng)
     y = rng.integers(0, 10, len(x))
     if not args.split:
         times = []

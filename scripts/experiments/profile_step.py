@@ -32,9 +32,8 @@ def worker(family, config, top):
     import bench_apps
 
     model = bench_apps.build(family, config)
-    shape = bench_apps.INPUT_SHAPES.get(family, (32, 32, 3))
     rng = np.random.default_rng(0)
-    x, y = rng.random((32 * 40, *shape), dtype=np.float32), rng.integers(0, 10, 32 * 40)
+    x, y = bench_apps.sample_inputs(family, 32 * 40, rng), rng.integers(0, 10, 32 * 40)
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
     logdir = tempfile.mkdtemp()
     wall = {}

@@ -1,0 +1,49 @@
+"""Callbacks that stop training on one worker only: every worker must stop after the same epoch.
+
+Three fits of 4 epochs of 8 steps on 2 workers:
+- "rank0_mid_epoch": a callback sets `model.stop_training` on rank 0 only, at batch 3 of epoch 1;
+- "rank1_epoch_end": a callback sets it on rank 1 only, in `on_epoch_end` of epoch 2;
+- "early_stopping": Keras' EarlyStopping on the (shared) epoch loss, patience 0, min_delta huge.
+Without agreement the worker that stopped would leave the other waiting in the next step's
+allreduce until the stall timeout. Per rank: epochs run, optimizer iterations, a weight digest,
+`model.stop_training` after fit.
+"""
+
+import hashlib
+
+import keras
+import numpy as np
+
+from keras_boost import distributed
+from tests.helpers import classification_data, compile_sgd, mlp, weights
+
+
+class StopOn(keras.callbacks.Callback):
+    def __init__(self, rank, epoch, batch=None):
+        super().__init__()
+        self.rank, self.epoch, self.batch, self.current = rank, epoch, batch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.batch is not None and distributed.rank() == self.rank and (self.current, batch) == (self.epoch, self.batch):
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.batch is None and distributed.rank() == self.rank and epoch == self.epoch:
+            self.model.stop_training = True
+
+
+def run():
+    distributed.init()
+    x, y = classification_data(n=256)
+    found = {}
+    for name, callback in (("rank0_mid_epoch", StopOn(0, 1, batch=3)), ("rank1_epoch_end", StopOn(1, 2)),
+                           ("early_stopping", keras.callbacks.EarlyStopping("loss", min_delta=100.0, patience=0))):
+        model = compile_sgd(mlp(seed=0))
+        history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[callback])
+        found[name] = dict(epochs=len(history.history["loss"]), iterations=int(model.optimizer.iterations.numpy()),
+                           stopped=bool(model.stop_training),
+                           digest=hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest())
+    return found
