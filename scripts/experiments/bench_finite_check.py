@@ -6,7 +6,8 @@
 Random tensors shaped like every trainable variable of keras.applications.ResNet50 (23.6 M
 trainable values in 214 tensors) or MobileNetV2 (2.2 M values in 158 tensors, most of them small) at
 32x32x3; each form of the check compiled with tf.function, taking turns, median time per
-check. Also checks that each form sees one +inf.
+check, and an empty compiled call with the same inputs (what the call itself costs). Also
+checks that each form sees one +inf.
 """
 
 import sys
@@ -27,6 +28,27 @@ def is_finite_all(grads):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
 
 
+def float32_sums(grads):
+    """The sums without the casts to float64."""
+    return tf.math.is_finite(tf.add_n([tf.reduce_sum(g) for g in grads]))
+
+
+def small_concatenated(grads, limit=65536):
+    """Gradients of up to `limit` values concatenated and summed once; the larger ones each summed."""
+    small = [tf.reshape(g, [-1]) for g in grads if g.shape.num_elements() <= limit]
+    parts = [tf.reduce_sum(g) for g in grads if g.shape.num_elements() > limit]
+    return tf.math.is_finite(tf.add_n(parts + ([tf.reduce_sum(tf.concat(small, 0))] if small else [])))
+
+
+def stacked_sums(grads):
+    return tf.math.is_finite(tf.reduce_sum(tf.stack([tf.reduce_sum(g) for g in grads])))
+
+
+def empty_call(grads):
+    """No check: what calling a compiled function with these inputs costs."""
+    return tf.constant(True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
@@ -37,7 +59,10 @@ def main():
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.standard_normal(v.shape).astype("float32")) for v in model.trainable_variables]
     checks = {"is_finite + all (before)": tf.function(is_finite_all),
-              "keras_boost all_finite (sums)": tf.function(all_finite)}
+              "keras_boost all_finite (sums)": tf.function(all_finite),
+              "float32 sums, no casts": tf.function(float32_sums),
+              "small ones concatenated": tf.function(small_concatenated),
+              "sums stacked": tf.function(stacked_sums)}
     bad = list(grads)
     values = bad[100].numpy()
     values.flat[0] = np.inf
@@ -49,6 +74,7 @@ def main():
     tiny[smallest] = tf.constant(values)
     for name, check in checks.items():
         assert bool(check(grads)) and not bool(check(bad)) and not bool(check(tiny)), name
+    checks["empty call (no check)"] = tf.function(empty_call)
     times = {name: [] for name in checks}
     for _ in range(args.rounds):
         for name, check in checks.items():
