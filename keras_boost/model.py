@@ -109,7 +109,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     # --------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
-                nan_guard=True, stages=(), **kwargs):
+                nan_guard=False, stages=(), **kwargs):
         from keras_boost.distributed.dropin import make_distributed_optimizer
 
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,

@@ -34,7 +34,9 @@ Configurations (`--configs`):
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
     O1-nofusedbn O1 with {"boost": {"fused_batchnorm": False}}: Keras' own BatchNormalization ops
     O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
-    O0-noguard   O0 with compile(nan_guard=False): no finiteness check of the gradients
+    O0-guard     O0 with compile(nan_guard=True): the finiteness check of the averaged gradients
+                 before every update (off by default since December 5, 2026)
+    O0-noguard   O0 with compile(nan_guard=False): the default, said explicitly
     O0-fused     O0 with compile(fused_update=True): the optimizer's update through TensorFlow's fused kernels
     O0-fusedbn   O0 with compile(fused_batchnorm=True): BatchNormalization through TensorFlow's fused kernel
     O0-scale-fixed, O0-scale-dynamic
@@ -104,7 +106,8 @@ def compile_options(config):
     """The compile options a configuration adds (the boost options of the O0-* configurations)."""
     from keras_boost import DynamicLossScale, FixedLossScale
 
-    return {"O0-noguard": lambda: {"nan_guard": False},
+    return {"O0-guard": lambda: {"nan_guard": True},
+            "O0-noguard": lambda: {"nan_guard": False},
             "O0-fused": lambda: {"fused_update": True},
             "O0-fusedbn": lambda: {"fused_batchnorm": True},
             "O0-scale-fixed": lambda: {"loss_scale": FixedLossScale(1024.0)},

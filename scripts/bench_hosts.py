@@ -20,7 +20,7 @@ start, one TCP stream H1 -> H2 measures what the link really carries (`--no-prob
 
 Configurations (`--configs`), all on the same model, synthetic data, per-worker batch
 (`--batch-size`, default 32) and optimizer (`keras.optimizers.SGD(0.01, momentum=0.9)`):
-    keras_boost-O0     keras_boost.BoostModel, compile(...) plainly (nan_guard default), model.fit on
+    keras_boost-O0     keras_boost.BoostModel, compile(...) plainly (no NaN guard, the default), model.fit on
                        tf.data.Dataset.from_tensors(one batch).repeat()
     keras_boost-fp16   the same with compile(..., compression="float16"); "unavailable" when compile
                        rejects the option
@@ -132,7 +132,7 @@ THIS = Path(__file__).resolve()
 MWMS_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 
 CONFIGS = ("keras_boost-O0", "keras_boost-fp16", "keras_boost-acc4", "keras_boost-adasum", "hvd-loop", "mwms", "keras_boost-O0-each",
-           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "hvd-fit",
+           "keras_boost-O0-each-noguard", "keras_boost-O0-noguard", "keras_boost-O0-guard", "hvd-fit",
            "hvd-fit-grouped", "keras_boost-O0-static")
 KERAS_BOOST_OPTIONS = {
     "keras_boost-O0": {},
@@ -144,6 +144,8 @@ KERAS_BOOST_OPTIONS = {
     # the same without the NaN guard (no finiteness check, no cond around the update), as the loop
     "keras_boost-O0-each-noguard": {"gradient_split_groups": "each", "nan_guard": False},
     "keras_boost-O0-noguard": {"nan_guard": False},
+    # with the NaN guard (opt-in since December 5, 2026): the finite check before every update
+    "keras_boost-O0-guard": {"nan_guard": True},
     # O0 with Horovod's dynamic process sets off (HOROVOD_DYNAMIC_PROCESS_SETS=0 before init)
     "keras_boost-O0-static": {},
 }

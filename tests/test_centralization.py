@@ -167,7 +167,7 @@ def test_the_finite_check_adds_the_centralization_sums_instead_of_reading_the_gr
 
     model = _conv_net(BoostModel)
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  gradient_centralization="all" if centralized else None)
+                  gradient_centralization="all" if centralized else None, nan_guard=True)
     model.build((None, 8, 8, 3))
     model.boost_step.build(model.boost_state)
     kernels = {tuple(v.shape) for v in model.trainable_variables if len(v.shape) >= 2}
@@ -203,7 +203,7 @@ def test_nan_guard_with_centralization_stops_before_the_weights_are_touched():
     x[40, 2, 2, 1] = np.nan  # third batch of 16
     model = _conv_net(BoostModel)
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  gradient_centralization="all")
+                  gradient_centralization="all", nan_guard=True)
     seen = []
     with pytest.raises(FloatingPointError, match="non-finite gradient at batch 2"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,

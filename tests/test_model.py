@@ -99,7 +99,7 @@ def test_nan_guard_stops_before_the_weights_are_touched():
     x, y = classification_data(n=64)
     x = x.copy()
     x[40, 0] = np.nan  # third batch of 16
-    model = compile_sgd(mlp())
+    model = compile_sgd(mlp(), nan_guard=True)
     seen = []
     with pytest.raises(FloatingPointError, match="non-finite gradient at batch 2"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
@@ -111,12 +111,21 @@ def test_nan_guard_stops_before_the_weights_are_touched():
     assert int(model.optimizer.iterations.numpy()) == 2
 
 
-def test_nan_guard_opt_out_applies_like_keras():
+@pytest.mark.parametrize("option", [{}, {"nan_guard": False}])
+def test_without_the_nan_guard_a_non_finite_update_is_applied_like_keras(option):
+    """The default (no guard, as keras.Model): the step has no finite check and writes the NaN update."""
     x, y = classification_data(n=32)
     x = x.copy()
     x[0, 0] = np.nan
-    model = compile_sgd(mlp(), nan_guard=False)
+    model = compile_sgd(mlp(), **option)
+    assert model.boost_step.stage("nan_guard") is None
+    reference = compile_sgd(mlp(keras.Model))
+    reference.set_weights(model.get_weights())
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    reference.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert not all(np.isfinite(w).all() for w in weights(model))
+    for a, b in zip(weights(model), weights(reference)):
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))  # the same values turned NaN
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 2
     with pytest.raises(TypeError, match="`nan_guard` must be a bool"):
         compile_sgd(mlp(), nan_guard="yes")

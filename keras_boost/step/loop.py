@@ -78,7 +78,7 @@ class BoostStep:
             raise TypeError(f"`loss_fn` must be None or a callable loss(y_true, y_pred), got {loss_fn!r} "
                             f"({type(loss_fn).__name__}).")
         self.loss_fn = loss_fn
-        options.setdefault("nan_guard", True)
+        options.setdefault("nan_guard", False)
         if options["nan_guard"] is not None:
             _validation.check_bool("nan_guard", options["nan_guard"])
         self.model = model

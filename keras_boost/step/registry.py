@@ -166,7 +166,7 @@ def step_config(step):
 def options_from_config(config):
     """`BoostModel.compile` keyword arguments from `step_config`'s dict."""
     options = {"sens": config.get("sens", 1.0), "gradient_split_groups": config.get("gradient_split_groups"),
-               "nan_guard": config.get("nan_guard", True)}
+               "nan_guard": config.get("nan_guard", False)}
     for option, stage in config.get("stages", {}).items():
         if option != "nan_guard":
             options[option] = deserialize(stage)
