@@ -87,6 +87,7 @@ CONFIGS = {
     "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
     "O1-nofreeze": ("O1", O1_NO_FREEZE),
     "O1-nofusedbn": ("O1", {"boost": {"fused_batchnorm": False}}),
+    "O0-guard": ("O0", None),
     "O0-noguard": ("O0", None),
     "O0-fused": ("O0", None),
     "O0-fusedbn": ("O0", None),
