@@ -42,9 +42,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             whose input channels are a multiple of 16), "all" (the keras-io recipe: every
             gradient of rank 2 or more), or a `GradientCentralization`.
         adasum: True, or an `AdaSum` stage (False: off).
-        nan_guard: without loss scaling, stop `fit` with `FloatingPointError` at the first
-            update whose averaged gradient is not finite, before it reaches the weights
-            (default True; False applies it anyway, like plain Keras).
+        nan_guard: True: without loss scaling, stop `fit` with `FloatingPointError` at the
+            first update whose averaged gradient is not finite, before it reaches the
+            weights (every update then waits for a check of all gradients: 2-5% of the
+            step measured). Default False: the update is applied, as keras.Model does.
         gradient_split_groups: None (one grouped allreduce per update), "each" (one allreduce per gradient, sent as soon as it exists) or increasing indices
             into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
@@ -268,7 +269,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
             guard = watchdog.StallWatchdog()
             callbacks.insert(0, guard)
-            if not elastic_launch():  # every worker stops after the same epoch (an elastic job re-forms instead)
+            if not elastic_launch():  # every worker stops after the same batch (an elastic job re-forms instead)
                 together = StopTogether()
                 callbacks.append(together)  # after the user's: it decides once they have all asked
                 self.__dict__["_stop_together"] = together

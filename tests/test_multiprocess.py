@@ -43,16 +43,25 @@ def test_sparse_gradients_on_two_workers_equal_one_process_with_twice_the_batch(
         assert found[0][run]["digest"] == found[1][run]["digest"]  # bit-identical weights on every rank
 
 
-def test_a_callback_that_stops_one_worker_stops_every_worker_after_the_same_epoch():
-    """256 samples on each worker / 16 = 16 steps per epoch; a stop asked during epoch 1 (0-based)
-    takes effect at its end on both workers, one asked at the end of epoch 2 right there."""
+def test_a_callback_that_stops_one_worker_stops_every_worker_after_the_same_batch():
+    """256 samples on each worker / 16 = 16 steps per epoch. A stop asked after a batch rides on
+    the next update's allreduce: both workers stop after that batch (one process would stop one
+    batch earlier); one asked at an epoch's end stops both right there, as in one process. The
+    vote adds no collective: one per update, with one grouped allreduce or one per gradient."""
     found = shared("gloo", "stop_together")
-    expected = {"rank0_mid_epoch": 2, "rank1_epoch_end": 3, "early_stopping": 2}
-    for run, epochs in expected.items():
+    # run: (epochs, batches, optimizer updates)
+    expected = {"rank0_mid_epoch": (2, 16 + 5, 16 + 5),  # asked after batch 3 of epoch 1, stopped after batch 4
+                "rank1_epoch_end": (3, 48, 48),
+                "early_stopping": (2, 32, 32),
+                "rank1_mid_epoch_each": (1, 7, 7),  # asked after batch 5, stopped after batch 6
+                "rank0_accumulating": (1, 4, 2),  # asked after batch 2, the update at batch 3 carried it
+                "rank1_at_batch_0": (1, 1, 1)}  # asked in on_train_begin: one batch, as in one process
+    for run, (epochs, batches, iterations) in expected.items():
         for rank in (0, 1):
-            assert found[rank][run]["epochs"] == epochs, (run, found[rank][run])
-            assert found[rank][run]["iterations"] == 16 * epochs, (run, found[rank][run])
-            assert found[rank][run]["stopped"] is True, (run, found[rank][run])
+            got = found[rank][run]
+            assert (got["epochs"], got["batches"], got["iterations"]) == (epochs, batches, iterations), (run, rank, got)
+            assert got["stopped"] is True, (run, got)
+            assert got["collectives"] == iterations, (run, got)  # the votes ride in the gradients' collectives
         assert found[0][run]["digest"] == found[1][run]["digest"], run
 
 

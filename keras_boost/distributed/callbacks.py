@@ -63,53 +63,75 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
 
 class StopTogether(keras.callbacks.Callback):
-    """Makes `model.stop_training` one decision of all workers, taken at the end of each epoch.
+    """Makes `model.stop_training` one decision of all workers: they all stop after the same batch.
 
     A callback that stops training on some workers only (a rank-0-only rule, a time budget,
     `TerminateOnNaN` on a worker whose loss alone is NaN) would leave the others waiting in
     the next step's allreduce until the stall timeout ends the job. `BoostModel.fit` adds
     this callback after the user's under a launcher with more than one worker, and routes
-    `model.stop_training` through it: a request made during the epoch's batches is held
-    (the workers go on together; one line on the worker that asked), and at the end of the
-    epoch, after the user's callbacks, one eager collective (a max of every worker's
-    request) decides for all of them, so every worker stops after the same epoch.
-    EarlyStopping, which reads the epoch logs that every worker shares, stops exactly
-    where it does in one process. Reading `model.stop_training` runs no collective.
+    `model.stop_training` through it. A request made during the epoch's batches becomes
+    this worker's vote, which the next update averages with its gradients (one more scalar
+    in the same collective, `keras_boost.step.loop.StopVotes`): after that update every
+    worker reads the same result and stops after the same batch, one batch after the
+    worker that asked (with gradient accumulation, after the next update). A request made
+    at the end of an epoch (EarlyStopping, which reads the epoch logs every worker shares)
+    is decided there, after the user's callbacks, by one eager collective (a max of every
+    worker's request), so it stops exactly where it does in one process. Reading
+    `model.stop_training` runs no collective.
     """
 
     def __init__(self):
         super().__init__()
         self._requested = False  # this worker's callbacks asked to stop
-        self._decided = False  # the workers' decision at the end of the last epoch
-        self._at_epoch_end = False
+        self._decided = False  # the workers' common decision
         self._warned = False
         self._batch = None
+
+    def _votes(self):
+        """The step's `StopVotes` (None before the step is built, or without a boost step)."""
+        return getattr(getattr(self.model, "boost_step", None), "stop_votes", None)
 
     def request(self, value):
         """What a callback's `model.stop_training = value` does during a distributed fit."""
         self._requested = bool(value)
-        if self._requested and not self._at_epoch_end and not self._warned:
+        votes = self._votes()
+        if votes is not None:
+            votes.vote.assign(1.0 if self._requested else 0.0)
+        if self._requested and self._batch is not None and not self._warned:
             self._warned = True
-            print(f"keras_boost: rank {distributed.rank()} asked to stop training at batch {self._batch}; with "
-                  f"{distributed.size()} workers all of them stop together at the end of this epoch (a worker that "
-                  "stopped alone would leave the others waiting in the next step's allreduce)", flush=True)
+            when = ("after the next update (its allreduce carries the request)" if votes is not None
+                    else "at the end of this epoch")
+            print(f"keras_boost: rank {distributed.rank()} asked to stop training at batch {self._batch}; all "
+                  f"{distributed.size()} workers stop together {when}: a worker that stopped alone would leave "
+                  "the others waiting in the next step's allreduce", flush=True)
 
     def decision(self):
-        """`model.stop_training` as Keras reads it: False during the batches, the workers' decision after them."""
-        return self._decided if self._at_epoch_end else False
+        """`model.stop_training` as Keras reads it: the workers' common decision so far."""
+        return self._decided
 
-    def on_train_begin(self, logs=None):
-        self._requested = self._decided = self._at_epoch_end = self._warned = False
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._at_epoch_end = False
+    def set_model(self, model):
+        # Keras calls it when fit starts, before any callback's on_train_begin (which may already ask).
+        super().set_model(model)
+        self._requested = self._decided = self._warned = False
+        votes = self._votes()
+        if votes is not None:
+            votes.reset()  # a previous fit's vote and result
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch = batch
+        votes = self._votes()  # the step is built at the first batch: a request made before it
+        if self._requested and votes is not None and float(votes.vote.numpy()) == 0.0:
+            votes.vote.assign(1.0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        votes = self._votes()
+        if votes is not None and not self._decided and float(votes.agreed.numpy()) > 0.0:
+            self._decided = True  # some worker asked, and the last update told every worker
 
     def on_epoch_end(self, epoch, logs=None):
+        self._batch = None
         votes = distributed.allreduce(tf.constant(1.0 if self._requested else 0.0, tf.float32))
-        self._decided, self._at_epoch_end = bool(float(votes) > 0), True
+        self._decided = self._decided or bool(float(votes) > 0)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

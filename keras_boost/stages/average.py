@@ -31,6 +31,7 @@ class Average(Stage):
 
     option = "gradient_split_groups"
     default_for = "reduce"
+    carries_votes = True  # a scalar added to the list is averaged in the gradients' collective (step/loop.py)
 
     def __init__(self, split_points=None):
         self.split_points = _validation.check_split_points(split_points)

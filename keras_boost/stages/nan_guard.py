@@ -1,10 +1,12 @@
-"""The NaN guard: without loss scaling, never write a non-finite update into the weights.
+"""The NaN guard (`compile(nan_guard=True)`): without loss scaling, never write a non-finite update.
 
-MindSpore applies whatever gradient it gets unless a loss scale is on. keras_boost keeps
-a non-finite averaged gradient out of the weights (the decision is the same on every
-worker, because the averaged gradients are) and counts it; `BoostModel.fit` then stops
-with `FloatingPointError` at that batch. `compile(nan_guard=False)` applies it anyway, as
-plain Keras does. With a loss scale, the loss scale makes this decision instead.
+MindSpore and Keras apply whatever gradient they get unless a loss scale is on, and so
+does the boost step by default. With the guard, keras_boost keeps a non-finite averaged
+gradient out of the weights (the decision is the same on every worker, because the
+averaged gradients are) and counts it; `BoostModel.fit` then stops with
+`FloatingPointError` at that batch. Off by default since December 5, 2026: every update
+waits for the check of all gradients, 2-5% of the step on the families measured
+(docs/benchmarks.md). With a loss scale, the loss scale makes this decision instead.
 """
 
 import tensorflow as tf

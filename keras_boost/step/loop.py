@@ -7,7 +7,7 @@
     [select_branch: group k] -> [around_forward: fused BatchNorm] forward + loss -> scale_loss
     -> gradients of group k only -> local_gradients -> [window: go on only at a boundary]
     -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
-       "each": every gradient to Horovod as soon as it exists) -> decode
+       "each": every gradient to Horovod as soon as it exists; the workers' stop votes ride along) -> decode
     -> [column_sums -> agree_finite -> should_skip: one decision, identical on every worker]
     -> transform -> [around_update: fused kernels] apply_update (default: optimizer.apply) -> after_update -> logs
 
@@ -21,6 +21,7 @@ runs. Either way the backward pass through the frozen prefix is never computed.
 
 import contextlib
 import functools
+import os
 
 import keras
 import tensorflow as tf
@@ -85,6 +86,7 @@ class BoostStep:
         self.optimizer = optimizer
         self.sens = _validation.check_sens(sens)
         self.split_points = _validation.check_split_points(gradient_split_groups)
+        self.stop_votes = None  # made by build() on several workers (`StopVotes`)
         self.stages = registry.make_stages(options, model, extra=[_check_stage(s) for s in stages],
                                            defaults={"gradient_split_groups": gradient_split_groups})
         for stage in self.stages:
@@ -137,6 +139,8 @@ class BoostStep:
                 if selection is not None:
                     self._groups, self._selector = selection
             self._needs_finite = any(s.needs_finite for s in self.stages)
+            if distributed.size() > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
+                self.stop_votes = StopVotes()  # an elastic job re-forms instead of stopping together
         self.built = True
 
     # ---------------------------------------------------------------- step
@@ -264,7 +268,9 @@ class BoostStep:
 
     def _update(self, grads, indices):
         """Communicates once, decides for all workers whether to apply, applies, then after_update."""
-        grads = self._communicate(grads, indices, self._with("reduce")[0].reduce)
+        reducer = self._with("reduce")[0]
+        grads = self._communicate(grads, indices, reducer.reduce, votes=self.stop_votes,
+                                  carries=getattr(reducer, "carries_votes", False))
         variables = [self._variables[i] for i in indices]
         finite = sums = None
         if self._needs_finite:
@@ -282,11 +288,26 @@ class BoostStep:
         for stage in self._with("after_update"):
             stage.after_update()
 
-    def _communicate(self, grads, indices, reduce):
-        """`reduce` between the `encode` hooks (registry order) and the `decode` hooks (reverse order)."""
+    def _communicate(self, grads, indices, reduce, votes=None, carries=False):
+        """`reduce` between the `encode` hooks (registry order) and the `decode` hooks (reverse order).
+
+        `votes` (`StopVotes`): the workers' requests to stop are averaged with this update,
+        as one more scalar in the gradients' own collective where the reduce `carries` it
+        (the default average: no collective added), in a scalar allreduce of their own
+        otherwise.
+        """
         for stage in self._with("encode"):
             grads = stage.encode(grads, indices)
-        grads = reduce(grads, indices)
+        if votes is None:
+            grads = reduce(grads, indices)
+        else:
+            dense = [g for g in grads if not isinstance(g, tf.IndexedSlices) and g.dtype.is_floating]
+            if carries and dense:  # in the group of the first dense gradient's dtype: 0/1 means are exact enough
+                reduced = reduce(list(grads) + [tf.cast(votes.vote, dense[0].dtype)], list(indices) + [indices[-1]])
+                grads, agreed = reduced[:-1], reduced[-1]
+            else:
+                grads, agreed = reduce(grads, indices), distributed.allreduce(votes.vote)
+            votes.agreed.assign(tf.cast(agreed, tf.float32))
         for stage in reversed(self._with("decode")):
             grads = stage.decode(grads, indices)
         return grads
@@ -305,6 +326,27 @@ class BoostStep:
             for stage in self._with("around_update"):
                 around.enter_context(stage.around_update(self.optimizer))
             self._with("apply_update")[0].apply_update(self.optimizer, grads, variables)
+
+
+class StopVotes:
+    """Every worker's request to stop `fit`, averaged with each update's gradients.
+
+    `vote` is this worker's request (1.0: a callback set `model.stop_training`), set between
+    steps by `keras_boost.callbacks.StopTogether`; `agreed` is the mean of every worker's
+    vote at the last update, identical on every worker and > 0 when one of them asked. So a
+    stop asked on any worker takes effect on all of them after the next update, at no
+    collective of its own (the vote rides in the gradients' allreduce). Plain TensorFlow
+    variables of the step, outside the model: never saved, never broadcast.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.vote = tf.Variable(0.0, trainable=False, name="stop_vote")
+            self.agreed = tf.Variable(0.0, trainable=False, name="stop_agreed")
+
+    def reset(self):
+        self.vote.assign(0.0)
+        self.agreed.assign(0.0)
 
 
 def _check_stage(stage):
