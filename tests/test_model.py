@@ -129,3 +129,29 @@ def test_without_the_nan_guard_a_non_finite_update_is_applied_like_keras(option)
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 2
     with pytest.raises(TypeError, match="`nan_guard` must be a bool"):
         compile_sgd(mlp(), nan_guard="yes")
+
+
+def test_an_epoch_of_unknown_length_counts_only_the_updates_it_applied():
+    """The call whose `get_next` ends an epoch of unknown length applies nothing and counts nothing.
+
+    keras.Model's inlined step runs the optimizer's `iterations += 1` on that call too (one
+    count more per epoch than updates applied; Adam's bias correction reads it). BoostModel on
+    the dataset equals keras.Model on the same batches as arrays (known length), with Adam.
+    """
+    x, y = classification_data(n=64)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+
+    def adam(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    boosted = adam(mlp(BoostModel))
+    reference = adam(mlp(keras.Model))
+    boosted.fit(dataset, epochs=3, verbose=0)
+    reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert int(boosted.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 12
+    # different data paths, one float program per batch: equal up to rounding
+    for a, b in zip(weights(boosted), weights(reference)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -25,10 +25,11 @@ def test_two_workers_equal_one_process_with_twice_the_batch(controller):
     # 256 samples / (2 x 16) = 8 updates per epoch, one fused allreduce each
     assert found[0]["iterations"] == 16
     assert found[0]["collectives"] == 16
-    # by default one grouped allreduce; with gradient_split_groups="each" every gradient goes to
-    # Horovod on its own, as soon as the backward pass produces it
+    # by default one grouped allreduce (the workers' stop votes ride in it); with
+    # gradient_split_groups="each" every gradient goes to Horovod on its own, as soon as the
+    # backward pass produces it, and so does the vote (one scalar more, fused by Horovod)
     ops = found[0]["horovod_ops"]
-    assert ops["ops"] == {"None": {"HorovodGroupedAllreduce": 1}, "each": {"HorovodAllreduce": ops["gradients"]}}, ops
+    assert ops["ops"] == {"None": {"HorovodGroupedAllreduce": 1}, "each": {"HorovodAllreduce": ops["gradients"] + 1}}, ops
 
 
 def test_sparse_gradients_on_two_workers_equal_one_process_with_twice_the_batch():

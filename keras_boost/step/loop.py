@@ -239,7 +239,15 @@ class BoostStep:
         indices = [i for _, i in connected]
         for stage in self._with("local_gradients"):
             grads = stage.local_gradients(grads, indices)
-        self._window_then_update(grads, indices)
+        # Nothing of the update may run before this batch exists. TensorFlow inlines Keras'
+        # step function into the caller's graph, so an op that reads no gradient (the
+        # optimizer's `iterations += 1`, a stage's counter) would otherwise also run on the
+        # call whose `get_next` ends the epoch of a dataset of unknown length: keras.Model
+        # counts one update more per such epoch than it applied (Adam's bias correction and
+        # learning-rate schedules then read it). The loss exists before every gradient, so
+        # this dependency delays nothing else.
+        with tf.control_dependencies([loss]):
+            self._window_then_update(grads, indices)
         return loss, y_pred
 
     def _window_then_update(self, grads, indices):
