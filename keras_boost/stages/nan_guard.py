@@ -5,7 +5,7 @@ does the boost step by default. With the guard, keras_boost keeps a non-finite a
 gradient out of the weights (the decision is the same on every worker, because the
 averaged gradients are) and counts it; `BoostModel.fit` then stops with
 `FloatingPointError` at that batch. Off by default since December 5, 2026: every update
-waits for the check of all gradients, 2-5% of the step on the families measured
+waits for the check of all gradients, 0-5% of the step (by series) on the families measured
 (docs/benchmarks.md). With a loss scale, the loss scale makes this decision instead.
 """
 
