@@ -172,7 +172,7 @@ def add_loss_and_regularizer(cls):
 
 def stop_training_mid_epoch(cls):
     """A callback that sets `model.stop_training` at a batch: in one process fit stops right
-    after that batch, as Keras' does (on several workers at the epoch's end, tests/test_multiprocess.py)."""
+    after that batch, as Keras' does (on several workers after the next update, tests/test_multiprocess.py)."""
     x, y = _data()
 
     class StopAtBatch(keras.callbacks.Callback):

@@ -119,9 +119,10 @@ class StopTogether(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch = batch
-        votes = self._votes()  # the step is built at the first batch: a request made before it
-        if self._requested and votes is not None and float(votes.vote.numpy()) == 0.0:
-            votes.vote.assign(1.0)
+        if self._requested:  # a request made before the step was built (at the first batch) had no vote yet
+            votes = self._votes()
+            if votes is not None:
+                votes.vote.assign(1.0)
 
     def on_train_batch_end(self, batch, logs=None):
         votes = self._votes()
