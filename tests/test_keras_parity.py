@@ -212,3 +212,47 @@ def test_boost_model_matches_keras_model(behaviour, tmp_path):
     plain = behaviour(keras.Model, **kwargs)
     boosted = behaviour(BoostModel, **kwargs)
     _assert_same(plain, boosted)
+
+
+def _step_ops(model, x, y):
+    """Op types of `model`'s compiled train function, with every function it calls, counted."""
+    import collections
+
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # makes and traces model.train_function
+    counts = collections.Counter()
+    cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
+    functions = [c for c in cells if hasattr(c, "experimental_get_tracing_count")]
+    assert functions, "no tf.function behind model.train_function"
+    for function in functions:
+        for concrete in function._list_all_concrete_functions():
+            graph_def = concrete.graph.as_graph_def()
+            counts.update(node.op for node in graph_def.node)
+            for library_function in graph_def.library.function:
+                counts.update(node.op for node in library_function.node_def)
+    return counts
+
+
+def test_boost_model_step_runs_keras_models_ops():
+    """Without a boost option the step is keras.Model's: the same ops, op type by op type.
+
+    A convolutional model with BatchNormalization and SGD with momentum (the update's and the
+    moving statistics' ops), so an op the boost step adds to every step (a copy of each
+    gradient, a check, a counter) shows up as a difference.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 3)).astype(np.float32)
+    y = rng.integers(0, 3, size=32).astype(np.int32)
+    counts = {}
+    for cls in (keras.Model, BoostModel):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+        h = keras.layers.BatchNormalization(name="bn")(h)
+        h = keras.layers.GlobalAveragePooling2D()(keras.layers.ReLU()(h))
+        model = cls(inputs, keras.layers.Dense(3, name="out")(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        counts[cls.__name__] = _step_ops(model, x, y)
+    plain, boosted = counts["Model"], counts["BoostModel"]
+    differences = {op: boosted[op] - plain[op] for op in set(plain) | set(boosted) if boosted[op] != plain[op]}
+    assert not differences, f"BoostModel's step adds (+) or removes (-) ops against keras.Model's: {differences}"

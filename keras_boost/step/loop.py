@@ -259,7 +259,7 @@ class BoostStep:
             return
 
         def update_from_window():
-            self._update(window.grads(), indices)
+            self._update(window.grads(), indices, in_cond=True)
             window.close()
 
         run_if(window.boundary, update_from_window)
@@ -274,8 +274,11 @@ class BoostStep:
             loss += tf.add_n([tf.cast(extra, tf.float32) for extra in self.model.losses])
         return loss
 
-    def _update(self, grads, indices):
-        """Communicates once, decides for all workers whether to apply, applies, then after_update."""
+    def _update(self, grads, indices, in_cond=False):
+        """Communicates once, decides for all workers whether to apply, applies, then after_update.
+
+        `in_cond`: this runs inside a `tf.cond` branch (an accumulation window's boundary).
+        """
         reducer = self._with("reduce")[0]
         grads = self._communicate(grads, indices, reducer.reduce, votes=self.stop_votes,
                                   carries=getattr(reducer, "carries_votes", False))
@@ -289,10 +292,10 @@ class BoostStep:
                 finite = stage.agree_finite(finite)
         skips = [s for s in (stage.should_skip(finite) for stage in self._with("should_skip")) if s is not None]
         if not skips:
-            self._apply(grads, variables, sums)
+            self._apply(grads, variables, sums, in_cond=in_cond)
         else:
             skip = skips[0] if len(skips) == 1 else tf.reduce_any(tf.stack(skips))
-            run_if(tf.logical_not(skip), lambda: self._apply(grads, variables, sums))
+            run_if(tf.logical_not(skip), lambda: self._apply(grads, variables, sums, in_cond=True))
         for stage in self._with("after_update"):
             stage.after_update()
 
@@ -320,10 +323,12 @@ class BoostStep:
             grads = stage.decode(grads, indices)
         return grads
 
-    def _apply(self, grads, variables, sums=None):
-        # Keras' TF optimizer passes the gradients through a custom_gradient that wants them
-        # all from one graph; inside a cond some would otherwise be captures of the outer graph.
-        grads = [tf.identity(g) for g in grads]
+    def _apply(self, grads, variables, sums=None, in_cond=False):
+        if in_cond:
+            # Keras' TF optimizer passes the gradients through a custom_gradient that wants
+            # them all from one graph; inside a cond some would otherwise be captures of the
+            # outer graph. Outside one they already are (keras.Model's step has no copy either).
+            grads = [tf.identity(g) for g in grads]
         for stage in self._with("transform"):
             if sums is not None and stage.overrides("column_sums"):
                 grads = stage.transform(grads, variables, sums=sums)
