@@ -31,8 +31,6 @@ Configurations (`--configs`):
     O1-mindspore O1 with MindSpore's defaults (GC on, interval freezing over 10 groups)
     O1-fixed     O1 without self-measurement (every stage of the level stays on, no gate)
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
-    O1-nokernel  O1 with KERAS_BOOST_NATIVE_KERNELS=0: gradient centralization as a pass of its own before
-                 the fused update, instead of inside keras_boost's centred momentum kernel
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
     O1-nofusedbn O1 with {"boost": {"fused_batchnorm": False}}: Keras' own BatchNormalization ops
     O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
@@ -86,7 +84,6 @@ CONFIGS = {
     "O1-mindspore": ("O1", MINDSPORE_DEFAULTS),
     "O1-fixed": ("O1", {"boost": {"measure": False}}),
     "O1-noahead": ("O1", None),  # KERAS_BOOST_TRACE_AHEAD=0: each freeze group traced when it first trains
-    "O1-nokernel": ("O1", None),  # KERAS_BOOST_NATIVE_KERNELS=0: GC a pass of its own before the fused update
     "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
     "O1-nofreeze": ("O1", O1_NO_FREEZE),
     "O1-nofusedbn": ("O1", {"boost": {"fused_batchnorm": False}}),
@@ -260,8 +257,6 @@ def build(family, config, seed=0):
     level, boost_config = CONFIGS[config]
     if config == "O1-noahead":
         os.environ["KERAS_BOOST_TRACE_AHEAD"] = "0"
-    if config == "O1-nokernel":
-        os.environ["KERAS_BOOST_NATIVE_KERNELS"] = "0"
     if level == "keras":
         model = keras.Model(base.inputs, base.outputs)
     else:

@@ -161,30 +161,23 @@ class GradientCentralization(Stage):
         """Gives the update the subtraction of every gradient it can centre; their indices.
 
         The update then applies `grad - sums / n` inside its kernel (`FusedUpdate.centres`):
-        the same values, without writing the centred gradient out and reading it back. A
-        stage with a switch computes the sums inside one `tf.cond` on it: off, it hands over
-        zeros (the update subtracts nothing) and sums nothing.
+        the same values, without writing the centred gradient out and reading it back. Off,
+        the stage hands over sums of zero (the update then subtracts nothing).
         """
         update = getattr(self, "_update", None)
         if update is None:
             return set()
-        handed = [i for i, (g, v) in enumerate(zip(grads, variables))
-                  if g is not None and self.applies_to(v) and update.centres(self._optimizer, v, g)]
-        if not handed:
-            return set()
-
-        def handed_sums():
-            return [column_sums(grads[i]) if sums[i] is None else sums[i] for i in handed]
-
-        if self.switch is None:
-            centred_sums = handed_sums()
-        else:
-            centred_sums = tf.cond(self.active(), handed_sums,
-                                   lambda: [tf.zeros([1, grads[i].shape[-1]], grads[i].dtype) for i in handed])
-        for i, s in zip(handed, centred_sums):
-            update.centre_in_update(self._optimizer, variables[i], s)
+        handed = set()
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None or not self.applies_to(v) or not update.centres(self._optimizer, v, g):
+                continue
+            s = column_sums(g) if sums[i] is None else sums[i]
+            if self.switch is not None:
+                s = s * tf.cast(self.active(), s.dtype)
+            update.centre_in_update(self._optimizer, v, s)
+            handed.add(i)
         self._handed = self._handed | {variables[i].path for i in handed}  # over every group's trace
-        return set(handed)
+        return handed
 
     def measure_alone(self, repeats=5):
         """{"centralize": seconds}: one pass over the selected kernels' shapes, timed out of the step.
