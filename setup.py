@@ -6,8 +6,6 @@ setup(
     description="MindSpore-style boost features (loss scaling, accumulation, freezing, LessBN, AdaSum) "
     "for Keras 3 on TensorFlow, distributed with Horovod.",
     packages=find_packages(include=["keras_boost", "keras_boost.*"]),
-    # the C++ sources of keras_boost's kernels, built after installing: python -m keras_boost.kernels.build
-    package_data={"keras_boost.kernels": ["*.cc"]},
     python_requires=">=3.10",
     install_requires=["tensorflow-cpu==2.18.1", "keras>=3.15,<3.16", "numpy<2.1"],
     extras_require={
