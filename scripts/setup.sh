@@ -250,9 +250,4 @@ if [ "$(cd /tmp && "$PY" -c 'import os, keras_boost; print(os.path.dirname(os.pa
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null || die "pip install -e $ROOT failed"
 fi
 "$VENV/bin/keras-boost" --help >/dev/null || die "the keras-boost command does not run"
-# keras_boost's own kernels (keras_boost/kernels/: gradient centralization inside the momentum
-# update), compiled for this TensorFlow with g++; skipped when up to date.
-kernels_built="$(cd "$ROOT" && "$PY" -m keras_boost.kernels.build)" \
-  || die "building keras_boost's kernels failed (g++ and TensorFlow's headers; the compiler output is above)"
-step "    $kernels_built"
 step "done: $("$PY" -c 'import tensorflow as tf, keras, horovod; print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Horovod {horovod.__version__}")')"

@@ -83,7 +83,7 @@ def test_keras_version_outside_the_range_fails_with_the_range():
 LAYERS = (
     {"keras_boost._version", "keras_boost._validation", "keras_boost._keras_compat", "keras_boost.config",
      "keras_boost.precision"},
-    {"keras_boost.core", "keras_boost.kernels"},
+    {"keras_boost.core"},
     {"keras_boost.distributed", "keras_boost.graph"},
     {"keras_boost.stages"},
     {"keras_boost.optimizers"},

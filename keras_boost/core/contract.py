@@ -53,15 +53,12 @@ class StepContext:
         variables: `model.trainable_variables` when the step was built, in order; hooks
             receive gradient lists with `indices` into this list.
         state: the `BoostState` that holds every stage's variables.
-        stages: every stage of the step, in registry order (a stage that works with another
-            finds it here: gradient centralization hands its subtraction to the fused update).
     """
 
     model: object
     optimizer: object
     variables: list
     state: object
-    stages: tuple = ()
 
 
 @dataclasses.dataclass

@@ -58,7 +58,6 @@ class GradientCentralization(Stage):
     # removed none it is switched off when the step is built: there is nothing to make up
     # for. An explicit GC, or one whose `less_bn` section the configuration gives, always stays.
     _removed_batchnorms = 0
-    _handed = frozenset()  # paths of the variables whose subtraction the fused update ran, at the last trace
 
     def __init__(self, variables=_MODEL_DEFAULT, min_channels_multiple=16):
         if variables not in (_MODEL_DEFAULT, _EVERY_KERNEL) and (not isinstance(variables, (list, tuple)) or not (
@@ -107,12 +106,6 @@ class GradientCentralization(Stage):
         return cls() if less_bn and not validate else None
 
     def build(self, context):
-        # The fused update can do the subtraction inside its kernel (one pass over each kernel
-        # less); AdaSum's own apply_update takes the gradients elsewhere, so not with it.
-        self._update = next((s for s in context.stages if s.option == "fused_update"), None)
-        if any(s.overrides("apply_update") and s.default_for != "apply_update" for s in context.stages):
-            self._update = None
-        self._optimizer = context.optimizer
         report = getattr(context.model, "less_bn_report", None)
         self._removed_batchnorms = report.num_removed if report is not None else 0
         if self.switch is not None and not self._removed_batchnorms:
@@ -138,46 +131,9 @@ class GradientCentralization(Stage):
                 else None for g, v in zip(grads, variables)]
 
     def transform(self, grads, variables, sums=None):
-        sums = [None] * len(grads) if sums is None else list(sums)
-        handed = self._hand_to_update(grads, variables, sums)
-        if handed:  # those gradients pass through: the update centres them
-            sums = [None if i in handed else s for i, s in enumerate(sums)]
-            keep = [i for i in range(len(grads)) if i not in handed]
-            rest = self._transform([grads[i] for i in keep], [variables[i] for i in keep], [sums[i] for i in keep])
-            grads = list(grads)
-            for i, g in zip(keep, rest):
-                grads[i] = g
-            return grads
-        return self._transform(grads, variables, sums)
-
-    def _transform(self, grads, variables, sums):
-        if not any(g is not None and self.applies_to(v) for g, v in zip(grads, variables)):
-            return list(grads)
         if self.switch is None:
             return self.apply(grads, variables, sums)
         return tf.cond(self.active(), lambda: self.apply(grads, variables, sums), lambda: list(grads))
-
-    def _hand_to_update(self, grads, variables, sums):
-        """Gives the update the subtraction of every gradient it can centre; their indices.
-
-        The update then applies `grad - sums / n` inside its kernel (`FusedUpdate.centres`):
-        the same values, without writing the centred gradient out and reading it back. Off,
-        the stage hands over sums of zero (the update then subtracts nothing).
-        """
-        update = getattr(self, "_update", None)
-        if update is None:
-            return set()
-        handed = set()
-        for i, (g, v) in enumerate(zip(grads, variables)):
-            if g is None or not self.applies_to(v) or not update.centres(self._optimizer, v, g):
-                continue
-            s = column_sums(g) if sums[i] is None else sums[i]
-            if self.switch is not None:
-                s = s * tf.cast(self.active(), s.dtype)
-            update.centre_in_update(self._optimizer, v, s)
-            handed.add(i)
-        self._handed = self._handed | {variables[i].path for i in handed}  # over every group's trace
-        return handed
 
     def measure_alone(self, repeats=5):
         """{"centralize": seconds}: one pass over the selected kernels' shapes, timed out of the step.
@@ -190,10 +146,7 @@ class GradientCentralization(Stage):
         selected = [v for v in self.variables if self.applies_to(v)]
         if not selected:
             return {"centralize": 0.0}
-        # Where the fused update centres a gradient, what the stage adds is its column sums.
-        handed = self._handed
-        run = tf.function(lambda: [column_sums(v.value) if v.path in handed else centralize(v.value)
-                                   for v in selected], autograph=False)
+        run = tf.function(lambda: [centralize(v.value) for v in selected], autograph=False)
         run()
         times = []
         for _ in range(repeats):
@@ -205,8 +158,7 @@ class GradientCentralization(Stage):
 
     def verdict(self, times, alone):
         share = alone["centralize"] / times[0]
-        where = " (its column sums: the fused update subtracts the means)" if self._handed else ""
-        return True, (f"centralizing costs {1000 * alone['centralize']:.1f} ms{where} of a {1000 * times[0]:.1f} ms step "
+        return True, (f"centralizing costs {1000 * alone['centralize']:.1f} ms of a {1000 * times[0]:.1f} ms step "
                       f"({100 * share:.1f}%); kept for accuracy, since LessBN removed {self._removed_batchnorms} "
                       "BatchNormalization layers")
 

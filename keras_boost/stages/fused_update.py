@@ -21,13 +21,11 @@ instead of several ops).
 """
 
 import contextlib
-import threading
 import warnings
 
 import keras
 import tensorflow as tf
 
-from keras_boost import kernels
 from keras_boost._validation import check_bool
 from keras_boost.core.adapter import applying_optimizer
 from keras_boost.core.contract import Stage
@@ -48,10 +46,6 @@ class FusedUpdate(Stage):
 
     def __init__(self, strict=True):
         self.strict = check_bool("strict", strict)
-        # The optimizer's key of a variable -> its gradient's column sums (see `centres`), per
-        # thread: freeze groups may be traced in a background thread while another step traces.
-        self._centring = threading.local()
-        self._model = None
 
     @classmethod
     def from_level(cls, boost_config, validate=False):
@@ -68,34 +62,8 @@ class FusedUpdate(Stage):
         warnings.warn(f"keras_boost: the boost level's fused update is off: {reason}; Keras' update is used.",
                       UserWarning, stacklevel=4)
 
-    def build(self, context):
-        self._model = context.model
-
-    def centres(self, optimizer, variable, gradient):
-        """Whether this update can also centre `gradient` (gradient centralization's subtraction).
-
-        True where the update is Keras' SGD with momentum through the fused kernels, keras_boost's
-        centred momentum kernel is built (`keras_boost.kernels`), and nothing between the step's
-        transform and the optimizer's `update_step` changes the gradient: no clipping, no
-        `loss_scale_factor`, no Keras gradient accumulation, no `overwrite_with_gradient`, no
-        `tf.distribute` strategy, no XLA (the kernel has no XLA form), the variable a dense
-        float32/float64 resource variable on a CPU, the gradient dense and of its dtype.
-        """
-        return centring_unavailable(optimizer, variable, gradient, self._model) is None
-
-    def centre_in_update(self, optimizer, variable, sums):
-        """Centres this variable's gradient inside its update, with `sums` (`column_sums` of it).
-
-        Called by gradient centralization's `transform` (for a variable `centres` accepted)
-        while the step is traced; the next `around_update` uses it, once.
-        """
-        if not hasattr(self._centring, "sums"):
-            self._centring.sums = {}
-        self._centring.sums[applying_optimizer(optimizer)._var_key(variable)] = sums
-
     def around_update(self, optimizer):
-        centred, self._centring.sums = getattr(self._centring, "sums", {}), {}
-        return fused_kernels(optimizer, centred)
+        return fused_kernels(optimizer)
 
     def get_config(self):
         return {"strict": self.strict}
@@ -123,30 +91,20 @@ def why_not_fused(optimizer):
 
 
 @contextlib.contextmanager
-def fused_kernels(optimizer, centred=None):
+def fused_kernels(optimizer):
     """While inside, `optimizer.apply` updates with TensorFlow's fused kernels (traced graph or eager).
 
     An optimizer without a fused form (`why_not_fused`) is left as it is. The swap is an
     instance attribute, removed on exit, so the optimizer is Keras' own again afterwards.
-    `centred`: {the optimizer's `_var_key` of a variable: its gradient's column sums}; those
-    variables' gradients are centred inside the update by keras_boost's centred momentum
-    kernel (only for what `centring_unavailable` accepted).
     """
     if why_not_fused(optimizer) is not None:
-        if centred:
-            raise RuntimeError("keras_boost: gradients were left for the update to centre, but the update has no "
-                               "fused kernel")  # centres() accepted them: cannot happen
         yield optimizer
         return
     optimizer = applying_optimizer(optimizer)
     keras_step = type(optimizer).update_step
     kernel = _sgd_kernel if keras_step is keras.optimizers.SGD.update_step else _adam_kernel
-    centred = centred or {}
 
     def update_step(gradient, variable, learning_rate):
-        sums = centred.get(optimizer._var_key(variable)) if centred else None
-        if sums is not None:
-            return _centred_sgd_kernel(optimizer, gradient, variable, learning_rate, sums)
         if isinstance(gradient, tf.IndexedSlices) or not _kernel_variable(variable):
             return keras_step(optimizer, gradient, variable, learning_rate)
         return kernel(optimizer, gradient, variable, learning_rate)
@@ -178,46 +136,6 @@ def _sgd_kernel(optimizer, gradient, variable, learning_rate):
             var=_handle(variable), accum=_handle(m), lr=lr, grad=gradient,
             momentum=tf.cast(optimizer.momentum, dtype), use_locking=False, use_nesterov=bool(optimizer.nesterov))
     return tf.raw_ops.ResourceApplyGradientDescent(var=_handle(variable), alpha=lr, delta=gradient, use_locking=False)
-
-
-def centring_unavailable(optimizer, variable, gradient, model=None):
-    """None when the update of `variable` can centre `gradient` in keras_boost's kernel; else why not."""
-    if why_not_fused(optimizer) is not None:
-        return why_not_fused(optimizer)
-    optimizer = applying_optimizer(optimizer)
-    if type(optimizer).update_step is not keras.optimizers.SGD.update_step or not optimizer.momentum:
-        return "the update is not SGD with momentum"
-    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-        if getattr(optimizer, name, None) is not None:
-            return f"the optimizer's {name} changes the gradient before the update"
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        return "the optimizer accumulates gradients"
-    if tf.distribute.has_strategy():
-        return "a tf.distribute strategy reduces the gradients inside the optimizer"
-    if model is not None and getattr(model, "jit_compile", False) is True:
-        return "the step is compiled with XLA, which has no form of the kernel"
-    if isinstance(gradient, tf.IndexedSlices) or not _kernel_variable(variable):
-        return "the gradient is sparse or the variable is not a resource variable"
-    value = variable.value if isinstance(variable, keras.Variable) else variable
-    if value.dtype not in (tf.float32, tf.float64) or gradient.dtype != value.dtype or len(value.shape) < 2:
-        return "the variable is not a float32/float64 kernel of rank 2 or more with a gradient of its dtype"
-    if getattr(variable, "overwrite_with_gradient", False):
-        return "the variable is overwritten with its gradient"
-    device = value.handle.device
-    if device and tf.DeviceSpec.from_string(device).device_type not in (None, "CPU"):
-        return f"the variable lives on {device} (the kernel runs on CPUs)"
-    if kernels.library() is None:
-        kernels.warn_once("gradient centralization runs as a pass of its own before the update")
-        return kernels.why_unavailable()
-    return None
-
-
-def _centred_sgd_kernel(optimizer, gradient, variable, learning_rate, sums):
-    dtype = variable.dtype
-    m = optimizer.momentums[optimizer._get_variable_index(variable)]
-    return kernels.centred_keras_momentum(
-        _handle(variable), _handle(m), tf.cast(learning_rate, dtype), gradient, tf.reshape(tf.cast(sums, dtype), [-1]),
-        tf.cast(optimizer.momentum, dtype), nesterov=bool(optimizer.nesterov))
 
 
 def _adam_kernel(optimizer, gradient, variable, learning_rate):

@@ -127,7 +127,7 @@ class BoostStep:
             if not self.optimizer.built:
                 self.optimizer.build(variables)
             self._variables = variables
-            context = StepContext(self.model, self.optimizer, variables, state, tuple(self.stages))
+            context = StepContext(self.model, self.optimizer, variables, state)
             for stage in self.stages:
                 if stage.option not in later:
                     stage.build(context)

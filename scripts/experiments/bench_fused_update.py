@@ -6,9 +6,7 @@ Builds `keras.applications` ResNet50 (or MobileNetV2, DenseNet121) at 32x32x3, m
 random gradient per trainable variable, and times a compiled `optimizer.apply` with Keras'
 own update and inside `keras_boost`'s `fused_kernels`, taking turns (`--rounds` times,
 `--calls` calls each, median per call printed). Gradient centralization (the pass a boost
-level adds before the update) is timed too, alone and before each update, and (SGD with
-momentum, where `keras_boost.kernels` is built) inside the update: its column sums, then
-keras_boost's centred momentum kernel, as a boost level's step runs them.
+level adds before the update) is timed too, alone and before each update.
 """
 
 import argparse
@@ -28,8 +26,7 @@ def main():
     import keras
     import tensorflow as tf
 
-    from keras_boost import kernels
-    from keras_boost.stages.centralization import centralize, centralizes, column_sums, gc_variables
+    from keras_boost.stages.centralization import centralize, centralizes, gc_variables
     from keras_boost.stages.fused_update import fused_kernels
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -71,19 +68,11 @@ def main():
         with fused_kernels(optimizer):
             optimizer.apply(centred() if gc else grads, variables)
 
-    def centring_update():  # GC's sums, then the update centres inside keras_boost's kernel (the step's form)
-        applying = optimizer
-        handed = {applying._var_key(v): column_sums(g) for g, v in zip(grads, variables) if id(v) in selected}
-        with fused_kernels(optimizer, handed):
-            optimizer.apply(grads, variables)
-
     runs = {"keras update": tf.function(lambda: keras_update(False)),
             "fused update": tf.function(lambda: fused_update(False)),
             "centralization alone": tf.function(centred),
             "centralization + keras update": tf.function(lambda: keras_update(True)),
             "centralization + fused update": tf.function(lambda: fused_update(True))}
-    if args.optimizer == "sgd-momentum" and kernels.library() is not None:
-        runs["centralization inside the update"] = tf.function(centring_update)
     if args.gc_forms:
         runs["centralization alone (reduce_mean)"] = tf.function(centred_reduce_mean)
         runs["centralization (reduce_mean) + fused"] = tf.function(fused_update_reduce_mean)
