@@ -9,7 +9,6 @@ before it. Deterministic (no timing), so it explains a time difference without n
 """
 
 import argparse
-import collections
 import sys
 
 import bench_common  # noqa: F401  (sys.path and log level)
@@ -17,26 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import bench_apps
-
-
-def train_functions(model):
-    """The tf.functions behind `model.train_function` (Keras' loop, or one per freeze group)."""
-    function = model.train_function
-    if hasattr(function, "tracing_counts"):  # keras_boost's per-group train function
-        return list(function._on_iterator.values())
-    cells = [c.cell_contents for c in function.__closure__ or ()]
-    return [c for c in cells if hasattr(c, "experimental_get_tracing_count")]
-
-
-def op_counts(model):
-    counts = collections.Counter()
-    for function in train_functions(model):
-        for concrete in function._list_all_concrete_functions():
-            graph_def = concrete.graph.as_graph_def()
-            counts.update(node.op for node in graph_def.node)
-            for library_function in graph_def.library.function:
-                counts.update(node.op for node in library_function.node_def)
-    return counts
+from keras_boost.app.step_ops import op_counts
 
 
 def main():

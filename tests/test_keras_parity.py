@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from keras_boost import BoostModel
+from keras_boost.app.step_ops import op_counts
 
 
 def _data(n=64, seed=0):
@@ -214,24 +215,6 @@ def test_boost_model_matches_keras_model(behaviour, tmp_path):
     _assert_same(plain, boosted)
 
 
-def _step_ops(model, x, y):
-    """Op types of `model`'s compiled train function, with every function it calls, counted."""
-    import collections
-
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # makes and traces model.train_function
-    counts = collections.Counter()
-    cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
-    functions = [c for c in cells if hasattr(c, "experimental_get_tracing_count")]
-    assert functions, "no tf.function behind model.train_function"
-    for function in functions:
-        for concrete in function._list_all_concrete_functions():
-            graph_def = concrete.graph.as_graph_def()
-            counts.update(node.op for node in graph_def.node)
-            for library_function in graph_def.library.function:
-                counts.update(node.op for node in library_function.node_def)
-    return counts
-
-
 def test_boost_model_step_runs_keras_models_ops():
     """Without a boost option the step is keras.Model's: the same ops, op type by op type.
 
@@ -252,7 +235,8 @@ def test_boost_model_step_runs_keras_models_ops():
         model = cls(inputs, keras.layers.Dense(3, name="out")(h))
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-        counts[cls.__name__] = _step_ops(model, x, y)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # makes and traces model.train_function
+        counts[cls.__name__] = op_counts(model)
     plain, boosted = counts["Model"], counts["BoostModel"]
     differences = {op: boosted[op] - plain[op] for op in set(plain) | set(boosted) if boosted[op] != plain[op]}
     assert not differences, f"BoostModel's step adds (+) or removes (-) ops against keras.Model's: {differences}"
