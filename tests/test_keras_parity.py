@@ -187,10 +187,17 @@ def stop_training_mid_epoch(cls):
             "stopped": float(model.stop_training)}
 
 
+def loss_scale_factor(cls):
+    """An optimizer's `loss_scale_factor`: the step scales the loss, `apply` divides the gradients."""
+    x, y = _data()
+    model = _compiled(cls, keras.optimizers.SGD(0.1, momentum=0.9, loss_scale_factor=64.0))
+    return {"history": _fit(model, x, y, batch_size=16, epochs=2), "weights": _weights(model)}
+
+
 BEHAVIOURS = [sample_weight, class_weight, validation_split, validation_data_and_freq, steps_per_execution,
               multi_output, early_stopping, reduce_lr_on_plateau, tf_data_input, keras_file_round_trip,
               initial_epoch_and_batch_methods, evaluate_and_predict, add_loss_and_regularizer,
-              stop_training_mid_epoch]
+              stop_training_mid_epoch, loss_scale_factor]
 
 
 def _assert_same(a, b, where="result"):
@@ -213,6 +220,38 @@ def test_boost_model_matches_keras_model(behaviour, tmp_path):
     plain = behaviour(keras.Model, **kwargs)
     boosted = behaviour(BoostModel, **kwargs)
     _assert_same(plain, boosted)
+
+
+def test_keras_loss_scale_optimizer_trains_as_in_keras_model():
+    """Keras' LossScaleOptimizer: scaled loss in the step, overflow skips, the scale's halving and growth.
+
+    An inf in one input of the second and fifth batches makes those steps overflow:
+    LossScaleOptimizer skips them and halves the scale; after every 2 finite steps it doubles
+    it. Until this was mended the boost step never scaled the loss, and `apply` divided
+    unscaled gradients by the scale: the weights hardly moved.
+    """
+    x, y = _data(n=128)
+    x[16, 0] = x[64, 0] = np.inf
+    runs = {}
+    for cls in (keras.Model, BoostModel):
+        scales = []
+
+        class Scale(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10,
+                                                        dynamic_growth_steps=2)
+        model = _compiled(cls, optimizer)
+        initial = _weights(model)
+        history = _fit(model, x, y, batch_size=16, epochs=2, callbacks=[Scale()])
+        runs[cls.__name__] = {"history": history, "weights": _weights(model), "scales": scales}
+    plain, boosted = runs["Model"], runs["BoostModel"]
+    scales = plain["scales"]
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    assert boosted["scales"] == scales
+    _assert_same(plain, boosted)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(boosted["weights"], initial)) > 1e-2
 
 
 def test_boost_model_step_runs_keras_models_ops():

@@ -171,6 +171,48 @@ def test_policy_picks_the_default_scale():
     assert compile_sgd(mlp()).boost_step.loss_scale is None
 
 
+def test_a_keras_loss_scale_optimizer_is_the_loss_scale():
+    """The user's LossScaleOptimizer scales the loss, as in keras.Model: no second scale by default
+    (not even under mixed_float16), and an explicit `loss_scale` beside it is refused at compile."""
+    def lso():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp()
+    model.compile(optimizer=lso(), loss="sparse_categorical_crossentropy")
+    assert model.boost_step.loss_scale is None
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    keras.config.set_dtype_policy("float32")
+    for loss_scale in ("dynamic", 128.0, DynamicLossScale()):
+        with pytest.raises(ValueError, match="`loss_scale` is given .* LossScaleOptimizer"):
+            mlp().compile(optimizer=lso(), loss="sparse_categorical_crossentropy", loss_scale=loss_scale)
+    model = mlp()  # False: none of keras_boost's, the LossScaleOptimizer's only
+    model.compile(optimizer=lso(), loss="sparse_categorical_crossentropy", loss_scale=False)
+    assert model.boost_step.loss_scale is None
+
+
+def test_gradient_clipping_clips_the_gradients_a_loss_scale_optimizer_unscales():
+    """`gradient_clipping` with Keras' LossScaleOptimizer (whose scale is still in the gradients
+    at the clip) clips as without it: the scale is a power of 2, so the same weights, bit for bit.
+    Until this was mended the clip acted on gradients 2**12 times too large."""
+    x, y = classification_data(n=128)
+    trained = []
+    for optimizer in (keras.optimizers.SGD(0.5), keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.5), initial_scale=2.0**12, dynamic_growth_steps=1000)):
+        model = mlp()
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      gradient_clipping=0.05)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        trained.append(weights(model))
+    unclipped = mlp()
+    unclipped.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    unclipped.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(*trained):
+        np.testing.assert_array_equal(a, b)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(trained[0], weights(unclipped))) > 1e-2  # it clipped
+
+
 def test_logs_carry_overflow_and_scale():
     model = compile_sgd(mlp(), loss_scale=DynamicLossScale(init_scale=8.0))
     x, y = classification_data(n=64)

@@ -80,3 +80,10 @@ def applying_optimizer(optimizer):
     while isinstance(optimizer, (OptimizerAdapter, keras.optimizers.LossScaleOptimizer)):
         optimizer = optimizer.inner_optimizer
     return optimizer
+
+
+def keras_loss_scale_optimizer(optimizer):
+    """Keras' `LossScaleOptimizer` among `optimizer` and the optimizers keras_boost's adapters wrap, or None."""
+    while isinstance(optimizer, OptimizerAdapter):
+        optimizer = optimizer.inner_optimizer
+    return optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None

@@ -40,8 +40,18 @@ class GradientClipping(Stage):
             return None
         return value if isinstance(value, cls) else cls(value)
 
+    def build(self, context):
+        self._optimizer = context.optimizer
+
     def transform(self, grads, variables):
-        return tf.clip_by_global_norm(grads, self.clip_norm)[0]
+        # The optimizer's own loss scale (Keras' LossScaleOptimizer, `loss_scale_factor`) is
+        # still in the gradients here (its `apply` divides it out): the norm is clipped at
+        # `clip_norm` times that scale, which clips the unscaled gradients at `clip_norm`.
+        limit = self.clip_norm
+        optimizer = getattr(self, "_optimizer", None)
+        if optimizer is not None:
+            limit = optimizer.scale_loss(limit)
+        return tf.clip_by_global_norm(grads, limit)[0]
 
     def get_config(self):
         return {"clip_norm": self.clip_norm}

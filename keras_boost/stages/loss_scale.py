@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost._validation import alias, check_bool, check_int, check_real
+from keras_boost.core.adapter import keras_loss_scale_optimizer
 from keras_boost.core.contract import Stage, all_finite, map_values  # noqa: F401 (all_finite: its home was here)
 
 DEFAULT_INIT_SCALE = 2.0**15
@@ -47,6 +48,8 @@ class LossScale(Stage):
             return None
         if value is None or (isinstance(value, str) and value == "auto"):
             policy = keras.config.dtype_policy().name
+            if keras_loss_scale_optimizer(getattr(model, "optimizer", None)) is not None:
+                return None  # the user's LossScaleOptimizer scales the loss, as in keras.Model
             return DynamicLossScale() if policy == "mixed_float16" else None
         if isinstance(value, str):
             if value == "dynamic":
@@ -58,6 +61,14 @@ class LossScale(Stage):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return as_loss_scale(tf.constant(float(value)), name="loss_scale")
         return as_loss_scale(value, name="loss_scale")
+
+    def check_optimizer(self, optimizer):
+        if keras_loss_scale_optimizer(optimizer) is not None:
+            raise ValueError(
+                f"`loss_scale` is given (a {type(self).__name__}) and the optimizer is a keras.optimizers.LossScaleOptimizer: two "
+                "loss scales would scale the same loss. Pass the optimizer it wraps (`inner_optimizer`) with "
+                "compile(loss_scale=...) for keras_boost's loss scale (one overflow decision for all workers), or "
+                "leave `loss_scale` out to keep the LossScaleOptimizer's.")
 
     def build(self, context):
         """Creates this stage's variables in the step's `BoostState`."""

@@ -233,6 +233,10 @@ class BoostStep:
             target = loss * self.sens if self.sens != 1.0 else loss
             for stage in self._with("scale_loss"):
                 target = stage.scale_loss(target)
+            # The optimizer's own loss scale (Keras' `LossScaleOptimizer`, an optimizer's
+            # `loss_scale_factor`), which its `apply` divides out again, as in keras.Model's
+            # step. A plain optimizer returns the loss as it is (no op).
+            target = self.optimizer.scale_loss(target)
         grads = tape.gradient(target, watched)
         connected = [(g, i) for g, i in zip(grads, indices) if g is not None]
         grads = [g for g, _ in connected]
