@@ -211,3 +211,38 @@ def test_nan_guard_with_centralization_stops_before_the_weights_are_touched():
                       [np.array(w) for w in model.trainable_weights]))])
     for a, b in zip(seen[-1], model.trainable_weights):
         np.testing.assert_array_equal(a, np.array(b))  # the refused update left the weights as they were
+
+
+def test_a_gradient_traced_without_its_batch_dimension_is_centralized():
+    """keras-io's MLP-Mixer: a Dense on patches, and a partial last batch.
+
+    Keras retraces the step with a batch dimension of None for the last, smaller batch, and
+    the Dense kernel's gradient is then traced with the static shape `(None, 32)` (its
+    variable's is `(8, 32)`). GC read the gradient's static shape and failed with a
+    `TypeError` at `fit`; it now takes the variable's. The reference is keras.Model with an
+    SGD whose `apply` centralises each kernel's gradient with `tf.reduce_mean` (the sums run in
+    another order than GC's matmul, hence the float32 tolerance).
+    """
+    from keras_boost import BoostModel
+
+    class CentredSGD(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            grads = [g - tf.reduce_mean(g, axis=list(range(len(g.shape) - 1)), keepdims=True) if len(g.shape) >= 2
+                     else g for g in grads]
+            return super().apply(grads, trainable_variables)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(50, 16, 8)).astype(np.float32), rng.integers(0, 3, 50)
+    trained = {}
+    for cls, optimizer, options in ((BoostModel, keras.optimizers.SGD(0.1), {"gradient_centralization": "all"}),
+                                    (keras.Model, CentredSGD(0.1), {})):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16, 8))
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(32, name="patches")(inputs))
+        model = cls(inputs, keras.layers.Dense(3, name="out")(h))
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      **options)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # 16, 16, 16, then 2
+        trained[cls.__name__] = model.get_weights()
+    for a, b in zip(trained["BoostModel"], trained["Model"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)

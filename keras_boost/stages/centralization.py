@@ -127,7 +127,7 @@ class GradientCentralization(Stage):
 
     def column_sums(self, grads, variables):
         """Each centralised gradient's per-channel sums (`ones(1, n) @ grad`), for the finite check and `transform`."""
-        return [column_sums(g) if g is not None and g.dtype in (tf.float32, tf.float64) and self.applies_to(v)
+        return [column_sums(g, v.shape) if g is not None and g.dtype in (tf.float32, tf.float64) and self.applies_to(v)
                 else None for g, v in zip(grads, variables)]
 
     def transform(self, grads, variables, sums=None):
@@ -202,17 +202,17 @@ def centralizes(shape, min_channels_multiple):
     return len(shape) >= 2 and shape[-2] % min_channels_multiple == 0
 
 
-def column_sums(grad):
+def column_sums(grad, shape=None):
     """Each output channel's sum of `grad`, shape `(1, channels)`: `ones(1, n) @ grad` (see `centralize`).
 
     A `tf.IndexedSlices` gradient (an `Embedding` table's) is summed over its rows of
     values, without making it dense: the dense gradient adds repeated rows, so its column
-    sums are the same.
+    sums are the same. `shape`: the variable's shape (see `_known_shape`).
     """
     if isinstance(grad, tf.IndexedSlices):
         values = grad.values
         return tf.reduce_sum(tf.reshape(values, [-1, values.shape[-1]]), axis=0, keepdims=True)
-    grad = tf.convert_to_tensor(grad)  # a variable's gradient: its shape is the variable's, known
+    grad = _known_shape(tf.convert_to_tensor(grad), shape)
     channels = grad.shape[-1]
     rows = grad.shape.num_elements() // channels
     return tf.matmul(tf.ones([1, rows], grad.dtype), tf.reshape(grad, [rows, channels]))
@@ -234,9 +234,22 @@ def centralize(grad, sums=None, shape=None):
     row moves by minus the mean. `shape`: the variable's shape, which such a gradient's
     static shape does not carry (None: read from its `dense_shape` when that is a constant).
     """
-    sums = column_sums(grad) if sums is None else sums
-    grad = _dense(grad, shape)
+    sums = column_sums(grad, shape) if sums is None else sums
+    grad = _known_shape(_dense(grad, shape), shape)
     return grad - sums / (grad.shape.num_elements() // grad.shape[-1])  # (1, channels) broadcasts over leading axes
+
+
+def _known_shape(grad, shape):
+    """`grad` with the variable's static `shape` where tracing lost some of it.
+
+    A gradient's static shape is normally its variable's, but not always: keras-io's
+    MLP-Mixer applies a Dense to patches, and once a partial last batch retraces the step
+    with a batch dimension of None, that kernel's gradient is traced as `(None, 32)`.
+    The variable's shape is always known; the reshape to it moves no data.
+    """
+    if grad.shape.is_fully_defined() or shape is None:
+        return grad
+    return tf.reshape(grad, tf.TensorShape(shape).as_list())
 
 
 def _dense(grad, shape):
