@@ -148,3 +148,45 @@ def test_bench_summary_takes_medians_over_runs_and_the_target_from_the_first_lev
     assert o1["to_target"] is None and o1["reached"] == 1  # the seed-1 run of O1 never reached 0.805
     table = markdown_table(runs, ["O0", "O1"])
     assert "not reached in 1 of 2 runs" in table and "| O1 | 2.5 (2.0-3.0) |" in table and "2.00x" in table
+
+
+def test_the_launcher_passes_its_output_and_status_through(capfd):
+    from keras_boost.app.launch import run_launcher
+
+    status = run_launcher([sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr); "
+                                                 "sys.exit(3)"])
+    out, err = capfd.readouterr()
+    assert status == 3 and "to stdout" in out and "to stderr" in err
+
+
+def test_a_launcher_still_waiting_after_a_worker_ended_the_job_is_ended(tmp_path, capfd):
+    """Open MPI's abort waits on the daemon of a host that lost its link (docs/reliability.md):
+    a stand-in launcher that prints the stall watchdog's line, starts a child and waits on (60 s) is
+    ended, child included, `grace` seconds after the line."""
+    import time
+
+    from keras_boost.app.launch import run_launcher
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              f"child = subprocess.Popen(['sleep', '90']); open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "print('[1,0]<stderr>:keras_boost: stall: rank 0 of 2 has been in train step 4 for 20 s "
+              "(stall_timeout=20 s); ending the job.', file=sys.stderr, flush=True)\n"
+              "time.sleep(60)\n")  # a launcher left waiting ends by itself after 60 s: the test fails, no hang
+    start = time.monotonic()
+    status = run_launcher([sys.executable, "-c", script], grace=2)
+    took = time.monotonic() - start
+    out, err = capfd.readouterr()
+    assert status == 75 and took < 30, (status, took)
+    assert "ending the job" in err and "the launcher is still waiting" in err
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the group got SIGTERM: the child is gone (or a zombie of the ended launcher)
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launcher's child {child} still runs")

@@ -90,7 +90,7 @@ def test_a_stalled_worker_ends_the_job_within_the_timeout_naming_it(controller):
         if "stalled for longer than 10 seconds. Will shutdown" in out:
             assert "rank 0 of 2: a collective of fit was abandoned because Horovod shut down" in out, out[-4000:]
         else:  # Horovod's shutdown came late on a loaded machine: keras_boost's watchdog (its backstop) ended it
-            assert re.search(r"keras_boost: stall: rank 0 of 2 has been in train step 2 of epoch 0 .* ending the job",
+            assert re.search(r"keras_boost: stall: rank 0 of 2 on \S+ has been in train step 2 of epoch 0 .* ending the job",
                              out), out[-4000:]
     # from the moment rank 1 stopped to the end of the job: the timeout, plus Horovod's check
     # period under MPI (5 s here), plus the launcher's clean-up (slow on a loaded machine)

@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import subprocess
 import sys
 
 from keras_boost.app import launch, preflight
@@ -149,7 +148,7 @@ def _relaunch(args, argv):
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
     print("launching: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    return launch.run_launcher(cmd)
 
 
 def _train(args, argv):
@@ -240,8 +239,8 @@ def build_parser():
     train = sub.add_parser("train", help="train a model on a dataset at a boost level")
     _add_training_options(train, epochs=2)
     train.add_argument("--level", choices=["O0", "O1", "O2"], default="O0", help="boost level (default O0)")
-    train.add_argument("--checkpoint-dir", default=None, help="save weights there every epoch (rank 0) and resume "
-                       "from them when present")
+    train.add_argument("--checkpoint-dir", default=None, help="save weights there every epoch (rank 0); a later run "
+                       "starts from them when present (a warm start: its epochs run again, the optimizer starts anew)")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     bench = sub.add_parser("bench", help="train at several levels side by side; write a Markdown table and a PNG")

@@ -165,3 +165,88 @@ def horovodrun_command(np_workers, controller, arguments, hosts=None, network_in
     if start_timeout:
         command += ["--start-timeout", str(int(start_timeout))]
     return [*command, f"--{controller}", sys.executable, *arguments]
+
+
+# After a worker has ended the job (the stall watchdog's exit), the launcher should end
+# within seconds. Under Open MPI a host that lost its link keeps `mpirun`'s abort waiting on
+# that host's daemon ("abort is already in progress"): in two tries on namespace hosts it
+# was still waiting 154 and 279 s later, when an outer `timeout` ended it (Open MPI's own
+# timeouts for a lost daemon: TCP retransmission, about 15 min). So `keras-boost` watches
+# its launcher's output and ends it `LAUNCHER_GRACE` seconds after such a line.
+LAUNCHER_GRACE = 60.0
+_ENDING = ("keras_boost: stall: rank ", "abort is already in progress")
+
+
+def run_launcher(command, grace=None, echo=True):
+    """Runs `command` (horovodrun) and returns its exit status; its output passes through.
+
+    Once a line of its output says that a worker is ending the job (keras_boost's stall
+    watchdog, Open MPI's abort), the launcher gets `grace` seconds (`LAUNCHER_GRACE`) to
+    end by itself; after that its whole process group (mpirun, ssh, local workers) gets
+    SIGTERM, then SIGKILL 5 s later, a line says why, and the status is the watchdog's 75.
+    Ctrl-C and SIGTERM sent to this process are passed on to the group.
+    """
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from keras_boost.distributed.watchdog import STALL_EXIT_CODE
+
+    grace = LAUNCHER_GRACE if grace is None else float(grace)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    ending = {}
+
+    def forward(source, target):
+        for line in iter(source.readline, b""):
+            if "at" not in ending and any(mark.encode() in line for mark in _ENDING):
+                ending["at"] = time.monotonic()
+            if echo:
+                target.write(line)
+                target.flush()
+        source.close()
+
+    readers = [threading.Thread(target=forward, args=(process.stdout, sys.stdout.buffer), daemon=True),
+               threading.Thread(target=forward, args=(process.stderr, sys.stderr.buffer), daemon=True)]
+    for reader in readers:
+        reader.start()
+
+    def pass_on(signum, frame):
+        _signal_group(process, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, pass_on)
+    try:
+        while True:
+            try:
+                status = process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if "at" in ending and time.monotonic() - ending["at"] > grace:
+                print(f"keras-boost: a worker ended the job {grace:.0f} s ago and the launcher is still waiting "
+                      "(under MPI: for the daemon of a host that lost its link); ending it.",
+                      file=sys.stderr, flush=True)
+                _signal_group(process, signal.SIGTERM)
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+                status = STALL_EXIT_CODE
+                break
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for reader in readers:
+        reader.join(timeout=5)
+    return status
+
+
+def _signal_group(process, signum):
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

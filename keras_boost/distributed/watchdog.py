@@ -218,7 +218,7 @@ def _watch(progress, stop, fire_after, timeout, rank, size, store):
         stuck = time.monotonic() - since
         if stuck < fire_after:
             continue
-        lines = [f"keras_boost: stall: rank {rank} of {size} has been {where} for {stuck:.0f} s "
+        lines = [f"keras_boost: stall: rank {rank} of {size} on {host} has been {where} for {stuck:.0f} s "
                  f"(stall_timeout={timeout:g} s); ending the job."]
         lines += _others(store, rank, size, silent_after=3 * beat)
         print("\n".join(lines), file=sys.stderr, flush=True)
@@ -232,8 +232,13 @@ def _others(store, rank, size, silent_after=30.0):
     `silent_after` seconds lost its host's link, or its process or host died: it is named,
     with its host, as the one to look at."""
     if not store.available:
-        return ["keras_boost: stall: the other ranks' positions are not known under this launcher; Horovod's stall "
-                "warning above (on rank 0) names the missing ranks and tensors."]
+        # Under MPI Horovod's own stall warning (rank 0) names the missing ranks only where its
+        # coordinator is not blocked itself: with a stopped worker or a host cut off it was
+        # seen to print nothing, so the message must not send users looking for it.
+        return ["keras_boost: stall: the other ranks' positions are not known under this launcher. Every rank "
+                "still running prints a line like the one above within seconds: a rank without one is the one "
+                "that stopped, or whose host lost its link. (Horovod's stall warning on rank 0, where it can "
+                "print one, names the missing ranks and tensors.)"]
     now, table, why = time.time(), {}, {}
     for other in range(size):
         try:
