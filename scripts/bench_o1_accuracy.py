@@ -6,6 +6,9 @@ swapped for BoostModel(..., boost_level=level) and nothing else changed:
   convnet    keras-io mnist_convnet (no BatchNorm, Dense(10, softmax) head, Dropout), Adam(1e-3)
   mobilenet  keras.applications.MobileNetV2(alpha=0.35, weights=None, softmax head) on 32x32x3, Adam(1e-3)
   resnet50   keras.applications.ResNet50(weights=None, softmax head) on 32x32x3, Adam(1e-3)
+  convmixer  keras-io's ConvMixer (examples/vision/convmixer.py) at 28x28x1, 32 filters, depth 3: its
+             augmentation layers, GELU then BatchNorm (momentum 0.9 for these short fits), AdamW(3e-3, 1e-4);
+             LessBN removes none of its BatchNorms
 Variants: O0, O1 (keras_boost's defaults), O1-mindspore (MindSpore's defaults: GC on, interval
 freezing over 10 groups), and diagnostics of MindSpore's O1: O1-fn-off (without the FN head),
 O1-freeze-off, O1-gc-off; O1-cont (no GC, continuous freezing over 10 groups), O1-cont4 (over 4
@@ -42,6 +45,8 @@ VARIANTS = {
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
     "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     "O1-cont4-gc": ("O1", {"less_bn": {"gc_flag": True}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
+    # keras_boost's O1 with its freezing kept whatever LessBN removed (the grad_freeze section given)
+    "O1-freeze-kept": ("O1", {"grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     # the FN head's initial multiplier (keras_boost.graph.less_bn.FN_SCALE; default 16): MindSpore's 1.0, AdaCos'
     "O1-scale1": ("O1", MS),
     "O1-adacos": ("O1", MS),
@@ -67,6 +72,24 @@ def resnet50():
     return keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10)
 
 
+def convmixer(filters=32, depth=3, kernel_size=5, patch_size=2):
+    layers = keras.layers
+
+    def activation_block(x):
+        return layers.BatchNormalization(momentum=0.9)(layers.Activation("gelu")(x))
+
+    inputs = keras.Input((28, 28, 1))
+    x = layers.RandomTranslation(0.1, 0.1)(layers.RandomFlip("horizontal")(inputs))
+    x = activation_block(layers.Conv2D(filters, kernel_size=patch_size, strides=patch_size)(x))
+    for _ in range(depth):
+        x0 = x
+        x = layers.Conv2D(filters, kernel_size=kernel_size, groups=filters, padding="same")(x)
+        x = layers.Add()([activation_block(x), x0])
+        x = activation_block(layers.Conv2D(filters, kernel_size=1)(x))
+    outputs = layers.Dense(10, activation="softmax")(layers.GlobalAvgPool2D()(x))
+    return keras.Model(inputs, outputs, name="convmixer")
+
+
 FAMILIES = {
     # name: (builder, optimizer, from_logits, rgb input)
     "demo": (lambda: demo_resnet(model_class=keras.Model), lambda: keras.optimizers.SGD(0.05, momentum=0.9), True,
@@ -74,6 +97,7 @@ FAMILIES = {
     "convnet": (convnet, lambda: keras.optimizers.Adam(1e-3), False, False),
     "mobilenet": (mobilenet, lambda: keras.optimizers.Adam(1e-3), False, True),
     "resnet50": (resnet50, lambda: keras.optimizers.Adam(1e-3), False, True),
+    "convmixer": (convmixer, lambda: keras.optimizers.AdamW(3e-3, weight_decay=1e-4), False, False),
 }
 
 

@@ -141,17 +141,28 @@ def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
     assert "keras_boost:" not in capsys.readouterr().out
 
 
-def test_without_a_removed_batchnorm_the_level_adds_no_fn_head_and_no_centralization():
+def test_without_a_removed_batchnorm_the_level_adds_no_fn_head_no_centralization_and_no_freezing(capsys):
     with pytest.warns(UserWarning, match="without an FN head, and a boost level leaves its gradient centralization"):
         model = compiled(small_bn_model(batchnorm=False))
     reference = small_bn_model(batchnorm=False, level="O0")
     assert model.less_bn_report.num_removed == 0 and model.less_bn_report.fn_heads == ()
     assert [type(layer).__name__ for layer in model.layers] == [type(layer).__name__ for layer in reference.layers]
-    assert not model.boost_step.centralization.is_on()  # off before the first step is traced
     x, y = data()
-    model.boost_step.freeze.min_saving = -10.0
-    model.fit(x, y, batch_size=16, epochs=4, verbose=0)
-    assert [option for option, _, _ in model.self_measurement] == ["gradient_freeze"]  # GC is not timed
+    groups = Groups()
+    model.boost_step.freeze.min_saving = -10.0  # it would pay: it is off for accuracy, not for speed
+    model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[groups])
+    # both off before the first step is traced; nothing left to time
+    assert not model.boost_step.centralization.is_on() and not model.boost_step.freeze.is_on()
+    assert groups.groups == [0] * 48 and model.train_function.traced_groups() == [0]
+    assert model.self_measurement is None
+    out = capsys.readouterr().out
+    assert out.count("O1's gradient_freeze switched off: LessBN removed no BatchNormalization layer") == 1, out
+    # freezing asked for by name, or by the configuration's section, stays
+    explicit = compiled(small_bn_model(batchnorm=False), gradient_freeze=True)
+    sectioned = compiled(small_bn_model({"grad_freeze": {"freeze_type": 0, "param_groups": 4}}, batchnorm=False))
+    for kept in (explicit, sectioned):
+        kept.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        assert kept.boost_step.freeze.is_on()
     # MindSpore's O1 (the less_bn section given) keeps its FN head and GC on any model
     mindspore = compiled(small_bn_model(MINDSPORE_DEFAULTS, batchnorm=False))
     assert mindspore.less_bn_report.fn_heads and mindspore.boost_step.centralization.is_on()
@@ -181,8 +192,8 @@ def test_steps_per_execution_leaves_the_stages_on_with_a_line(capsys):
 def test_two_workers_switch_off_together():
     found = shared("gloo", "self_measurement")
     first, second = found[0], found[1]
-    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False]]
-    assert not first["centralization_on"] and not second["centralization_on"]  # no BatchNorm removed
+    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False], ["gradient_centralization", True]]
+    assert first["centralization_on"] and second["centralization_on"]  # kept for accuracy: a BatchNorm removed
     assert first["decided_at"] == second["decided_at"] == 42
     assert first["groups"] == second["groups"] and set(first["groups"][43:]) == {0}
     assert first["position"] == second["position"] == 43
@@ -221,17 +232,19 @@ def test_the_gate_switches_freezing_off_before_a_group_compiles_in_a_short_fit(g
 
 def test_a_recompiled_model_measures_its_new_step(gate, capsys):
     # the keras-io fine-tuning recipe: fit, change what trains, compile again, fit again
-    model = compiled(small_bn_model(batchnorm=False))  # freezing alone is measured: the gate decides it all
+    model = compiled(small_bn_model())  # the gate decides freezing; GC stays (LessBN removed a BatchNorm)
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    assert [(option, kept) for option, kept, _ in model.self_measurement] == [("gradient_freeze", False)]
+    assert [(option, kept) for option, kept, _ in model.self_measurement] == [
+        ("gradient_freeze", False), ("gradient_centralization", True)]
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
     model.layers[1].trainable = False
     compiled(model)  # a new step, with its freezing on again
     assert model.self_measurement is None and model.boost_step.freeze.is_on()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
-    assert [(option, kept) for option, kept, _ in model.self_measurement] == [("gradient_freeze", False)]
+    assert [(option, kept) for option, kept, _ in model.self_measurement] == [
+        ("gradient_freeze", False), ("gradient_centralization", True)]
     assert not model.boost_step.freeze.is_on()
 
 
@@ -345,8 +358,9 @@ def test_two_workers_pass_the_gate_together():
     """Rank 1 compiles its groups on fit's path, rank 0 ahead: both hold freezing back, both decide off together."""
     found = shared("gloo", "self_measurement_gate")
     first, second = found[0], found[1]
-    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False]]
-    assert first["decided_at"] == second["decided_at"] == 2
+    assert first["decisions"] == second["decisions"] == [["gradient_freeze", False], ["gradient_centralization", True]]
+    # the gate switched freezing off at step 2; GC's verdict came once the full step had 5 timed steps
+    assert first["decided_at"] == second["decided_at"] == 5
     assert first["groups"] == second["groups"] == [0] * 48
     assert first["position"] == second["position"] == 0
     assert first["tracing"] == second["tracing"] == ["step0:1", "steps0:1"]

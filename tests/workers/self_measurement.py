@@ -44,8 +44,9 @@ def run(verdict="off"):
     keras.utils.set_random_seed(rank + 5)  # start apart: the broadcast must align them
     inputs = keras.Input((12, 12, 1))
     h = inputs
-    for filters in (8, 16, 16):  # no BatchNorm: LessBN removes none, so the level's GC is off from the start
-        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+    for filters in (8, 16, 16):  # LessBN removes one BatchNorm: freezing and GC are the level's, both timed
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
     outputs = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
     model = BoostModel(inputs, outputs, boost_level="O1")
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),

@@ -26,6 +26,14 @@ class FreezeStage(Stage):
     # A boost level's freezing is kept when the schedule's mean step is at least this much
     # shorter than the full step (`verdict`); an explicit one always stays.
     min_saving = 0.02
+    # A level's freezing also needs LessBN to have removed a BatchNorm: on its partial steps
+    # the frozen layers skip their update, which costs accuracy in a fit of a given length,
+    # and on the families where O1 kept or gained accuracy, LessBN (the FN head, GC) made up
+    # for it. Alone, on keras-io's ConvMixer (no BatchNorm removed), O1 lost 1.0-2.8 pp
+    # against O0 over 5 seeds (docs/auto_boost.md). So on a model where LessBN removed none
+    # (or is off) a level's freezing is switched off when the step is built, with one line.
+    # An explicit freezing, or one whose `grad_freeze` section the configuration gives, stays.
+    off_reason = None
 
     def __init__(self, source):
         if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
@@ -85,6 +93,19 @@ class FreezeStage(Stage):
         self.plan = freeze_cell(model, freeze_opt)
         self.position = state.add_state("freeze/position", 0, "int64")
         self.last_group = state.add_state("freeze/group", 0, "int32")
+        report = getattr(model, "less_bn_report", None)
+        if self.switch is not None and self.is_on() and (report is None or not report.num_removed):
+            self.switch_off()
+            self.off_reason = ("LessBN removed no BatchNormalization layer from this model" if report is not None
+                               else "the level's LessBN is off")
+            from keras_boost import distributed
+
+            if distributed.rank() == 0:
+                level = getattr(getattr(model, "auto_boost", None), "level", "the level")
+                print(f"keras_boost: {level}'s {self.option} switched off: {self.off_reason}, so nothing makes up "
+                      "for the updates its frozen layers skip (alone, it cost 1.0-2.8 pp of accuracy on keras-io's "
+                      "ConvMixer, docs/auto_boost.md); give the configuration's grad_freeze section, or "
+                      "compile(gradient_freeze=True), to keep it.", flush=True)
 
     @property
     def group_indices(self):
