@@ -105,7 +105,7 @@ def test_horovodrun_command_with_hosts_interface_and_start_timeout(monkeypatch):
 
 def test_train_relaunches_on_the_hosts_and_the_workers_get_no_host_options(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli.launch, "run_launcher", lambda cmd: calls.append(cmd) or 0)
     monkeypatch.delenv("HOROVOD_START_TIMEOUT", raising=False)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("kbh1 slots=1\nkbh2 slots=1\n")
@@ -247,6 +247,12 @@ def test_same_hostname_ssh_failure_missing_python_and_versions():
     rows = {line.split()[0]: line for line in text.splitlines()[1:5]}
     assert "FAILED" in rows["kbh3"] and "MISSING" in rows["kbh2"] and rows["kbh4"].rstrip().endswith("MISSING")
     assert f"{len(problems)} problem(s):" in text
+    # an interface shared by the hosts that answered is not said to be on the one that did not
+    shared = [{"name": "eth0", "network": "10.213.0.0/24"}]
+    text = preflight.format_report({"hosts": [facts("kbh1"), facts("kbh2"), down], "launcher": launcher(),
+                                    "python_path": PYTHON, "cwd": "/", "hosts_argument": "x",
+                                    "shared_interfaces": shared, "problems": problems})
+    assert "network: eth0 (10.213.0.0/24) is on every host that answered (2 of 3);" in text
 
 
 def test_a_dead_host_does_not_hang_the_probe():

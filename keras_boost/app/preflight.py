@@ -335,7 +335,10 @@ def format_report(report):
     if len(report["hosts"]) > 1 and shared:
         first = shared[0]
         others = f" (also shared: {', '.join(s['name'] for s in shared[1:])})" if len(shared) > 1 else ""
-        lines.append(f"network: {first['name']} ({first['network']}) is on every host{others}; horovodrun picks "
+        answered = sum(1 for host in report["hosts"] if not host.get("ssh_error"))
+        where = ("every host" if answered == len(report["hosts"]) else
+                 f"every host that answered ({answered} of {len(report['hosts'])})")
+        lines.append(f"network: {first['name']} ({first['network']}) is on {where}{others}; horovodrun picks "
                      f"a common interface itself, or pass --network-interface {first['name']}")
     problems = report["problems"]
     if problems:
