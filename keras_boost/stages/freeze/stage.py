@@ -29,8 +29,8 @@ class FreezeStage(Stage):
     # A level's freezing also needs LessBN to have removed a BatchNorm: on its partial steps
     # the frozen layers skip their update, which costs accuracy in a fit of a given length,
     # and on the families where O1 kept or gained accuracy, LessBN (the FN head, GC) made up
-    # for it. Alone, on keras-io's ConvMixer (no BatchNorm removed), O1 lost 1.0-2.8 pp
-    # against O0 over 5 seeds (docs/auto_boost.md). So on a model where LessBN removed none
+    # for it. Alone, on keras-io's ConvMixer (no BatchNorm removed), O1 was below O0 in 10 of 14
+    # runs, by a median 0.9 pp (docs/benchmarks.md). So on a model where LessBN removed none
     # (or is off) a level's freezing is switched off when the step is built, with one line.
     # An explicit freezing, or one whose `grad_freeze` section the configuration gives, stays.
     off_reason = None
@@ -103,8 +103,8 @@ class FreezeStage(Stage):
             if distributed.rank() == 0:
                 level = getattr(getattr(model, "auto_boost", None), "level", "the level")
                 print(f"keras_boost: {level}'s {self.option} switched off: {self.off_reason}, so nothing makes up "
-                      "for the updates its frozen layers skip (alone, it cost 1.0-2.8 pp of accuracy on keras-io's "
-                      "ConvMixer, docs/auto_boost.md); give the configuration's grad_freeze section, or "
+                      "for the updates its frozen layers skip (alone, it cost keras-io's ConvMixer a median 0.9 pp of "
+                      "test accuracy, docs/auto_boost.md); give the configuration's grad_freeze section, or "
                       "compile(gradient_freeze=True), to keep it.", flush=True)
 
     @property
