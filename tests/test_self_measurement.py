@@ -349,7 +349,11 @@ def test_a_fit_that_ends_inside_the_gate_leaves_the_next_fit_to_gate(gate, capsy
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)
     model.fit(dataset, epochs=1, verbose=0)  # one epoch of unknown length: it ends inside the gate
     assert model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
-    model.fit(x, y, batch_size=16, epochs=3, verbose=0)  # known length: gated again, and switched off
+    # known length: gated again, and switched off. The compilation it weighs is the first fit's first step:
+    # 480 steps, so that this fit's own first step (no compilation, but the epoch's start: 10-50 ms on a
+    # loaded machine) would not switch it off too, and a gate that took it would let freezing go on
+    x, y = data(steps=120)
+    model.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
     assert not model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
 
