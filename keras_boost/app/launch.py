@@ -206,8 +206,8 @@ def run_launcher(command, grace=None, echo=True):
                 target.flush()
         source.close()
 
-    readers = [threading.Thread(target=forward, args=(process.stdout, sys.stdout.buffer), daemon=True),
-               threading.Thread(target=forward, args=(process.stderr, sys.stderr.buffer), daemon=True)]
+    readers = [threading.Thread(target=forward, args=(process.stdout, _bytes_of(sys.stdout)), daemon=True),
+               threading.Thread(target=forward, args=(process.stderr, _bytes_of(sys.stderr)), daemon=True)]
     for reader in readers:
         reader.start()
 
@@ -243,6 +243,23 @@ def run_launcher(command, grace=None, echo=True):
     for reader in readers:
         reader.join(timeout=5)
     return status
+
+
+def _bytes_of(stream):
+    """A binary writer onto `stream` (its `buffer`; a text stream without one, e.g. a test's capture, gets text)."""
+    if hasattr(stream, "buffer"):
+        return stream.buffer
+
+    class Text:
+        @staticmethod
+        def write(data):
+            stream.write(data.decode(errors="replace"))
+
+        @staticmethod
+        def flush():
+            stream.flush()
+
+    return Text
 
 
 def _signal_group(process, signum):
