@@ -227,6 +227,16 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False,  # 
     return result
 
 
+def removed_batchnorms(model):
+    """How many BatchNorms LessBN removed from `model` (its `less_bn_report`), or None where LessBN did not run.
+
+    A boost level's gradient centralization and gradient freezing are switched off where it is 0
+    or None: both rely on LessBN's changes to keep accuracy (docs/auto_boost.md).
+    """
+    report = getattr(model, "less_bn_report", None)
+    return None if report is None else report.num_removed
+
+
 def _nested_hint(model):
     """A sentence for a model whose BatchNorms sit in nested models (opaque to LessBN), else ''."""
     from keras_boost._keras_compat import flatten_layers

@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras_boost import _keras_compat
 from keras_boost._validation import check_int
 from keras_boost.graph.layers import FNHead
+from keras_boost.graph.less_bn import removed_batchnorms
 from keras_boost.core.contract import Stage
 
 _L = keras.layers
@@ -106,8 +107,7 @@ class GradientCentralization(Stage):
         return cls() if less_bn and not validate else None
 
     def build(self, context):
-        report = getattr(context.model, "less_bn_report", None)
-        self._removed_batchnorms = report.num_removed if report is not None else 0
+        self._removed_batchnorms = removed_batchnorms(context.model) or 0
         if self.switch is not None and not self._removed_batchnorms:
             self.switch_off()  # a level's GC, on a model where LessBN removed no BatchNorm
         if not self._resolve_at_build:

@@ -26,6 +26,7 @@ class GradientClipping(Stage):
 
     option = "gradient_clipping"
     step_attribute = "clipping"
+    _optimizer = None  # the step's optimizer, once built (`transform` allows for its loss scale)
 
     def __init__(self, clip_norm):
         if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not (
@@ -47,10 +48,7 @@ class GradientClipping(Stage):
         # The optimizer's own loss scale (Keras' LossScaleOptimizer, `loss_scale_factor`) is
         # still in the gradients here (its `apply` divides it out): the norm is clipped at
         # `clip_norm` times that scale, which clips the unscaled gradients at `clip_norm`.
-        limit = self.clip_norm
-        optimizer = getattr(self, "_optimizer", None)
-        if optimizer is not None:
-            limit = optimizer.scale_loss(limit)
+        limit = self.clip_norm if self._optimizer is None else self._optimizer.scale_loss(self.clip_norm)
         return tf.clip_by_global_norm(grads, limit)[0]
 
     def get_config(self):

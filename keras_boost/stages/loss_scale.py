@@ -65,8 +65,8 @@ class LossScale(Stage):
     def check_optimizer(self, optimizer):
         if keras_loss_scale_optimizer(optimizer) is not None:
             raise ValueError(
-                f"`loss_scale` is given (a {type(self).__name__}) and the optimizer is a keras.optimizers.LossScaleOptimizer: two "
-                "loss scales would scale the same loss. Pass the optimizer it wraps (`inner_optimizer`) with "
+                f"`loss_scale` is given (a {type(self).__name__}) and the optimizer is a "
+                "keras.optimizers.LossScaleOptimizer: two loss scales would scale the same loss. Pass the optimizer it wraps (`inner_optimizer`) with "
                 "compile(loss_scale=...) for keras_boost's loss scale (one overflow decision for all workers), or "
                 "leave `loss_scale` out to keep the LossScaleOptimizer's.")
 

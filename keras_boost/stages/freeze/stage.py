@@ -5,7 +5,9 @@ import reprlib
 import numpy as np
 import tensorflow as tf
 
+from keras_boost import distributed
 from keras_boost.core.contract import Stage
+from keras_boost.graph.less_bn import removed_batchnorms
 from keras_boost.stages.freeze.groups import resolve_paths
 from keras_boost.stages.freeze.optimizer import FreezeOpt, GradientFreeze, freeze_cell
 
@@ -33,7 +35,6 @@ class FreezeStage(Stage):
     # runs, by a median 0.9 pp (docs/benchmarks.md). So on a model where LessBN removed none
     # (or is off) a level's freezing is switched off when the step is built, with one line.
     # An explicit freezing, or one whose `grad_freeze` section the configuration gives, stays.
-    off_reason = None
 
     def __init__(self, source):
         if not isinstance(source, (GradientFreeze, FreezeOpt, _SavedFreezeOpt)):
@@ -93,16 +94,14 @@ class FreezeStage(Stage):
         self.plan = freeze_cell(model, freeze_opt)
         self.position = state.add_state("freeze/position", 0, "int64")
         self.last_group = state.add_state("freeze/group", 0, "int32")
-        report = getattr(model, "less_bn_report", None)
-        if self.switch is not None and self.is_on() and (report is None or not report.num_removed):
+        removed = removed_batchnorms(model)
+        if self.switch is not None and self.is_on() and not removed:
             self.switch_off()
-            self.off_reason = ("LessBN removed no BatchNormalization layer from this model" if report is not None
-                               else "the level's LessBN is off")
-            from keras_boost import distributed
-
             if distributed.rank() == 0:
+                why = ("the level's LessBN is off" if removed is None
+                       else "LessBN removed no BatchNormalization layer from this model")
                 level = getattr(getattr(model, "auto_boost", None), "level", "the level")
-                print(f"keras_boost: {level}'s {self.option} switched off: {self.off_reason}, so nothing makes up "
+                print(f"keras_boost: {level}'s {self.option} switched off: {why}, so nothing makes up "
                       "for the updates its frozen layers skip (alone, it cost keras-io's ConvMixer a median 0.9 pp of "
                       "test accuracy, docs/auto_boost.md); give the configuration's grad_freeze section, or "
                       "compile(gradient_freeze=True), to keep it.", flush=True)
