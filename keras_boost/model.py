@@ -142,6 +142,23 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             self.boost_step.build(self.boost_state)
 
     # ---------------------------------------------------------------- saving
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Keras' `save`; on several workers the file is written whole (`dropin.write_whole`)."""
+        from keras_boost.distributed import dropin
+
+        if not overwrite or zipped is False:  # Keras' prompt reads the target; a folder is not one file
+            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        return dropin.write_whole(filepath, lambda path: keras.Model.save(self, path, overwrite=True, zipped=zipped,
+                                                                          **kwargs))
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Keras' `save_weights`; on several workers the file is written whole (`dropin.write_whole`)."""
+        from keras_boost.distributed import dropin
+
+        if not overwrite or max_shard_size is not None:  # the prompt; sharded weights are several files
+            return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        return dropin.write_whole(filepath, lambda path: keras.Model.save_weights(self, path, overwrite=True))
+
     def get_config(self):
         config = super().get_config()
         if self.auto_boost is not None:
@@ -276,7 +293,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 self.__dict__["_stop_together"] = together
             guard.start()
             try:
-                kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs))
+                kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs, callbacks))
                 return super().fit(callbacks=callbacks, verbose=verbose, **kwargs)
             except tf.errors.OpError as error:
                 if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":

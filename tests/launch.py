@@ -209,7 +209,8 @@ SHARED = {
         ("batchnorm_stats", "batchnorm_stats", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
-        ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
+        ("dropin_files", "dropin", ["files", "{tmp}/files"]),
+        ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),  # last: rank 0 evaluates alone while the other exits
     ]),
     "mpi": dict(np=2, controller="mpi", timeout=480, slots=[1, 1], scenarios=[
         ("topology", "topology", []),

@@ -1,5 +1,7 @@
 """BoostModel as a drop-in for keras.Model in ordinary Keras code, one process."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -208,3 +210,61 @@ def test_custom_train_step_in_one_process_equals_keras():
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         results.append(weights(model))
     assert max_diff(*results) < 1e-6
+
+
+# ---------------------------------------------------------------- one writer per file
+def _writers(directory, rank):
+    """What a script written for one machine gives fit on worker `rank` (two paths of its own)."""
+    return [keras.callbacks.CSVLogger(f"{directory}/log.csv"), keras.callbacks.CSVLogger(f"{directory}/log{rank}.csv"),
+            keras.callbacks.TensorBoard(f"{directory}/tb"), keras.callbacks.ModelCheckpoint(f"{directory}/m.keras"),
+            keras.callbacks.BackupAndRestore(f"{directory}/backup", save_freq=3, delete_checkpoint=False),
+            keras.callbacks.EarlyStopping()]
+
+
+def test_a_path_several_workers_log_to_is_written_by_one_and_keras_backup_becomes_the_jobs():
+    workers = [_writers("out", rank) for rank in range(3)]
+    gathered = [dropin.written_paths(callbacks) for callbacks in workers]
+    lines = {}
+    for rank, callbacks in enumerate(workers):
+        given = list(callbacks)
+        lines[rank] = dropin.one_writer_per_file(callbacks, gathered, rank)
+        shared_log, own_log, board, checkpoint, backup, stopping = callbacks
+        assert (shared_log is given[0]) == (rank == 0) and (board is given[2]) == (rank == 0)
+        if rank:  # the others get a callback that does nothing
+            assert type(shared_log) is keras.callbacks.Callback and type(board) is keras.callbacks.Callback
+        assert own_log is given[1] and checkpoint is given[3] and stopping is given[5]  # kept on every worker
+        assert type(backup) is keras_boost.callbacks.BackupAndRestore  # rank 0 writes it and restores for all
+        assert (backup.backup_dir, backup.save_freq, backup.delete_checkpoint) == ("out/backup", 3, False)
+    assert lines[0] == lines[1] == lines[2] and len(lines[0]) == 2
+    assert "CSVLogger('out/log.csv'), TensorBoard('out/tb') write on rank 0 alone" in lines[0][0]
+    assert "BackupAndRestore('out/backup') runs as keras_boost.callbacks.BackupAndRestore" in lines[0][1]
+
+
+def test_the_horovod_idiom_of_writers_on_rank_zero_alone_is_left_as_it_is():
+    zero = [keras.callbacks.CSVLogger("log.csv"), keras.callbacks.TensorBoard("tb")]
+    given = list(zero)
+    gathered = [dropin.written_paths(zero), dropin.written_paths([])]
+    assert dropin.one_writer_per_file(zero, gathered, 0) == [] and zero == given
+
+
+@pytest.mark.parametrize("where, lacking", [([0], [1, 2]), ([0, 1], [2]), ([1, 2], [0])])
+def test_a_backup_some_workers_lack_is_an_error_that_names_them(where, lacking):
+    workers = [[keras_boost.callbacks.BackupAndRestore("bk")] if rank in where else [] for rank in range(3)]
+    gathered = [dropin.written_paths(callbacks) for callbacks in workers]
+    expected = f"BackupAndRestore('bk') is given to fit on rank(s) {where} but not on rank(s) {lacking}: "
+    with pytest.raises(ValueError, match=re.escape(expected) + ".* on every worker"):
+        dropin.one_writer_per_file(workers[0], gathered, 0)
+
+
+def test_a_backup_of_its_own_on_every_worker_is_kept():
+    workers = [[keras.callbacks.BackupAndRestore(f"bk{rank}")] for rank in range(2)]
+    gathered = [dropin.written_paths(callbacks) for callbacks in workers]
+    for rank in (0, 1):
+        given = workers[rank][0]
+        assert dropin.one_writer_per_file(workers[rank], gathered, rank) == [] and workers[rank][0] is given
+
+
+def test_one_process_saves_where_keras_saves(tmp_path):
+    seen = []
+    dropin.write_whole(tmp_path / "m.weights.h5", seen.append)
+    assert seen == [tmp_path / "m.weights.h5"]  # no file of its own to rename: one writer

@@ -4,6 +4,7 @@ Each check is a scenario of the shared launch of its controller (`tests.launch.s
 the rank-0-only one is the last scenario of its launch (the other workers exit meanwhile).
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -81,3 +82,30 @@ def test_rank_zero_only_evaluate_predict_and_save(controller):
     np.testing.assert_allclose(loaded.predict(x[:4], verbose=0), np.array(zero["rank0_predict"]), atol=1e-6)
     assert (tmp_path / "model.weights.h5").exists()
     _assert_identical_across_ranks(found)
+
+
+def test_a_script_written_for_one_machine_writes_each_file_once_and_whole_on_two_workers():
+    """Keras' file-writing callbacks with the same paths on both workers (across two hosts), then
+    both saving one path at the same moment, 12 times: without keras_boost's handling h5py's lock
+    fails on the second writer (BlockingIOError) and every CSV row is written twice."""
+    found = shared("gloo", "dropin_files")
+    directory = Path(shared_dir("gloo", "dropin_files")) / "files"
+    for rank in (0, 1):
+        assert "error" not in found[rank], found[rank].get("error")
+        assert found[rank]["errors"] == [], found[rank]["errors"]
+    _assert_identical_across_ranks(found)
+    rows = (directory / "log.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("epoch,"), rows  # one header, one row per epoch: one writer
+    for rank in (0, 1):  # a path of its own: every worker keeps its log
+        assert len((directory / f"log{rank}.csv").read_text().splitlines()) == 3
+    assert len(list((directory / "tb" / "train").glob("events.out.tfevents.*"))) == 1
+    assert json.loads((directory / "backup" / "training_metadata.json").read_text())["epoch"] == 2
+    assert not [p.name for p in directory.rglob("*") if "partial" in p.name]  # every write renamed into place
+    model = worker.mlp(keras.Model)
+    model.load_weights(directory / "same.weights.h5")
+    for got, want in zip(_flat(model), found[0]["weights"]):
+        np.testing.assert_array_equal(got, np.array(want))
+    for name in ("same.keras", "best.keras"):
+        loaded = keras.saving.load_model(directory / name)
+        assert len(loaded.get_weights()) == len(found[0]["weights"])
+    assert (directory / "e1.weights.h5").exists() and (directory / "e2.weights.h5").exists()

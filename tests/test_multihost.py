@@ -136,6 +136,33 @@ def test_elastic_run_survives_a_host_leaving_and_takes_in_a_new_one(cluster, tmp
     assert {samples for _, samples in found[0]["log"]} == {16, 32}  # trained alone and with two hosts
 
 
+# ------------------------------------------------------------------ files
+def test_a_backup_on_the_first_hosts_disk_alone_resumes_every_host(cluster, tmp_path):
+    """Hosts with disks of their own: the backup folder is hidden on host 2 (an empty folder of its
+    own, bind-mounted there), so only rank 0's host has the backup. Keras' own BackupAndRestore,
+    given on both workers as in a script written for one machine, runs as keras_boost's: rank 0
+    writes it, and on the relaunch reads it and sends it to rank 1, so both resume at epoch 2, to
+    exactly the weights of an uninterrupted run; the CSV log has one row per epoch."""
+    backup, out = tmp_path / "backup", tmp_path / "out"
+    backup.mkdir()
+    out.mkdir()
+    hosts = [f"{host}:1" for host in cluster.hosts[:2]]
+    env = {"KERAS_BOOST_STALL_TIMEOUT": "30"}  # ranks resuming apart would stall: end it soon
+    with cluster.shadow(cluster.hosts[1], backup):
+        trained = run_ok("local_backup.py", np=2, args=["train", backup, out], timeout=240, env=env, hosts=hosts)
+        assert (backup / "latest.weights.h5").exists()
+        found = run_ok("local_backup.py", np=2, args=["resume", backup, out], timeout=240, env=env, hosts=hosts)
+    assert [trained[rank]["epochs"] for rank in (0, 1)] == [[0, 1], [0, 1]]
+    assert (found[0]["sees_backup"], found[1]["sees_backup"]) == (True, False)  # host 2 has no copy
+    for rank in (0, 1):
+        assert found[rank]["epochs"] == [2, 3], found[rank]  # epochs 0 and 1 were backed up
+        assert found[rank]["resumed"] == found[rank]["uninterrupted"]  # bit-identical to no stop at all
+    assert found[0]["resumed"] == found[1]["resumed"]
+    rows = (out / "log.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in rows] == ["epoch", "0", "1", "2", "3"], rows
+    assert not backup.exists() or not list(backup.iterdir())  # the resumed run deleted it at its end
+
+
 # ------------------------------------------------------------------ faults
 def test_a_host_that_drops_off_ends_the_job_and_a_relaunch_resumes(cluster, tmp_path):
     """Host 2's link goes down mid-run (after the backup of epoch 1): the Gloo job ends within the

@@ -377,17 +377,20 @@ class BoostScalarsCallback(keras.callbacks.Callback):
 
 
 class BackupAndRestore(_keras_compat.BackupAndRestoreBase):
-    """Keras' `BackupAndRestore` for Horovod jobs: rank 0 writes, atomically; every rank restores.
+    """Keras' `BackupAndRestore` for Horovod jobs: rank 0 writes, atomically, and restores for every rank.
 
     The weights file (model, optimizer and boost state) and the metadata are written to
     temporary files and renamed into place, so a crash while writing leaves the previous
-    backup usable. Every worker reads the same backup when training starts and resumes at
-    the epoch Keras records (as in Keras, a backup taken mid-epoch resumes that epoch from
-    its start with the mid-epoch weights; use `save_freq="epoch"` for exact resumption).
+    backup usable. When training starts rank 0 reads the backup and sends the weights and
+    the epoch to resume at to every worker (Horovod's way), so the directory may be on rank
+    0's disk alone. Every worker resumes at the epoch Keras records (as in Keras, a backup
+    taken mid-epoch resumes that epoch from its start with the mid-epoch weights; use
+    `save_freq="epoch"` for exact resumption). Give it on every worker; `BoostModel.fit`
+    runs Keras' own `keras.callbacks.BackupAndRestore`, given on every worker, as this one.
 
     Args:
-        backup_dir: directory of the backup, shared by the workers (a local path on one
-            machine; a shared file system across machines).
+        backup_dir: directory of the backup on rank 0's host (a path every worker gives
+            alike; the other hosts need not see it).
         save_freq: "epoch" or a number of batches.
         delete_checkpoint: remove the backup when training ends, default True.
     """
@@ -395,6 +398,26 @@ class BackupAndRestore(_keras_compat.BackupAndRestoreBase):
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=False,
                          delete_checkpoint=delete_checkpoint)
+
+    def on_train_begin(self, logs=None):
+        if distributed.size() == 1:
+            return super().on_train_begin(logs)
+        # Rank 0 restores (Keras' code: the weights, and the epoch as the model's initial
+        # epoch), then tells every worker whether it found a backup and at which epoch.
+        found = [0, 0]
+        if distributed.rank() == 0:
+            super().on_train_begin(logs)
+            found = [int(os.path.exists(self.weights_path)), int(self.model._initial_epoch or 0)]
+        found = distributed.broadcast_object(found, root_rank=0)
+        if not found[0]:
+            return
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:  # as Keras' restore builds it: the slots travel too
+            optimizer.build(self.model.trainable_variables)
+        from keras_boost.core.state import training_variables
+
+        distributed.broadcast_variables(training_variables(self.model), root_rank=0)
+        self.model._initial_epoch = found[1]
 
     def save_backup(self):
         if distributed.rank() != 0:

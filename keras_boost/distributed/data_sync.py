@@ -13,7 +13,10 @@ Python object) that carries, from every worker:
   `ValueError` on every worker, naming the field and each worker's value, before the
   first collective of `fit` (the variable broadcast), so mismatched workers never hang
   and never average tensors of different models;
-- the number of batches of its training data per epoch (-1 when unknown).
+- the number of batches of its training data per epoch (-1 when unknown);
+- what its callbacks write (`dropin.written_paths`): a `CSVLogger` or `TensorBoard` path
+  that several workers give is left to one of them, and a `BackupAndRestore` becomes the
+  job's (`dropin.one_writer_per_file`).
 
 Uneven data, the semantics (see docs/reliability.md):
 
@@ -161,15 +164,27 @@ def _differences(prints):
     return found
 
 
-def check_agreement(model, fit_args, local_steps):
-    """One allgather: raises ValueError on a configuration mismatch; returns every worker's steps."""
-    mine = {"print": fingerprint(model, fit_args), "steps": int(local_steps)}
+def check_agreement(model, fit_args, local_steps, callbacks=None):
+    """One allgather: raises ValueError on a configuration mismatch; returns every worker's steps.
+
+    `callbacks`: fit's list of callbacks, or None; its file writers are settled in place
+    (`dropin.one_writer_per_file`), and rank 0 prints what changed.
+    """
+    from keras_boost.distributed import dropin
+
+    mine = {"print": fingerprint(model, fit_args), "steps": int(local_steps),
+            "writes": dropin.written_paths(callbacks or [])}
     gathered = distributed.allgather_object(mine, name=_FIT_CHECK)
     differences = _differences([g["print"] for g in gathered])
     if differences:
         raise ValueError(
             f"the {len(gathered)} workers were started with different configurations, so fit would hang or "
             "average unrelated tensors; make them identical: " + "; ".join(differences[:6]))
+    if callbacks is not None:
+        lines = dropin.one_writer_per_file(callbacks, [g["writes"] for g in gathered], distributed.rank())
+        if distributed.rank() == 0:
+            for line in lines:
+                print(line, flush=True)
     return [g["steps"] for g in gathered]
 
 
@@ -251,11 +266,12 @@ _FIT_DEFAULTS = {"x": None, "y": None, "batch_size": None, "epochs": 1, "validat
                  "initial_epoch": 0, "steps_per_epoch": None, "validation_steps": None, "validation_freq": 1}
 
 
-def prepare_fit(model, arguments):
+def prepare_fit(model, arguments, callbacks=None):
     """Checks the workers agree and evens out their data; returns the arguments for Keras' fit.
 
-    `arguments`: fit's keyword arguments (positional ones already bound to names).
-    Does nothing with a single worker.
+    `arguments`: fit's keyword arguments (positional ones already bound to names);
+    `callbacks`: fit's list of callbacks, whose file writers are settled in place
+    (`check_agreement`). Does nothing with a single worker.
     """
     if distributed.size() == 1:
         return arguments
@@ -293,7 +309,7 @@ def prepare_fit(model, arguments):
                                    args["shuffle"], args["class_weight"])
         local_steps = _num_batches(adapter)
 
-    steps = check_agreement(model, fit_args, local_steps)
+    steps = check_agreement(model, fit_args, local_steps, callbacks)
     if args["steps_per_epoch"] is not None:
         return args
     known = all(s >= 0 for s in steps)

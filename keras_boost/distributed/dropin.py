@@ -13,11 +13,20 @@
 - Logs: one line per epoch under a launcher whose output is not a terminal, and the
   boost scalars are kept out of the progress bar (they stay in the logs, the History
   and TensorBoard).
+- Files: a script written for one machine writes the same paths on every worker. On
+  several workers `BoostModel.save` and `save_weights` write each file whole (a file of
+  their own, then renamed into place), so workers saving one path on a shared file system
+  do not collide and every host with a disk of its own gets its copy; Keras' `CSVLogger`
+  and `TensorBoard` given the same path on several workers write on the lowest of them
+  alone; a `BackupAndRestore` is the job's (`keras_boost.callbacks.BackupAndRestore`:
+  rank 0 writes it and sends what it restores to every worker), given on every worker or
+  on none (`one_writer_per_file`).
 """
 
 import contextlib
 import logging
 import os
+import socket
 import warnings
 
 import keras
@@ -120,6 +129,124 @@ def alone_results(results, error):
                       f"worker's own (rank {distributed.rank()}), not averaged", stacklevel=3)
     return {n: float(np.asarray(keras.ops.convert_to_numpy(v))) if np.ndim(v) == 0 else v
             for n, v in results.items()}
+
+
+# --------------------------------------------------------------------------- files
+# The suffixes Keras' save and save_weights take for one file (a directory, `zipped=False`,
+# and sharded weights are written as Keras writes them).
+_WHOLE_FILE_SUFFIXES = (".weights.h5", ".keras", ".h5")
+
+
+def write_whole(filepath, write):
+    """Runs `write(path)` so that `filepath` is replaced whole, on several workers.
+
+    A script written for one machine saves the same path on every worker (a
+    `ModelCheckpoint`, a `model.save(...)` at its end). Writing one file from several
+    processes collides on a shared file system: h5py's lock fails on the second writer
+    (`BlockingIOError: unable to lock file`), and a zip written by two processes at once
+    can be cut. So under a launcher with several workers each one writes a file of its own
+    beside the target (`.NAME.HOST-PID.partial.SUFFIX`) and renames it into place: the
+    target is always one worker's whole file (every worker holds the same weights), and a
+    host with a disk of its own gets its copy, as in one process. One process, remote
+    paths (`gs://...`), directories and sharded weights are written as Keras writes them.
+    """
+    path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+    suffix = next((s for s in _WHOLE_FILE_SUFFIXES if path is not None and path.endswith(s)), None)
+    if distributed.size() <= 1 or suffix is None or "://" in path:
+        return write(filepath)
+    directory, name = os.path.split(path)
+    partial = os.path.join(directory, f".{name[:-len(suffix)]}.{socket.gethostname()}-{os.getpid()}.partial{suffix}")
+    try:
+        result = write(partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return result
+
+
+# Keras' callbacks that write one path: (class, the attribute that holds the path).
+_LOGGERS = ((keras.callbacks.CSVLogger, "filename"), (keras.callbacks.TensorBoard, "log_dir"))
+
+
+def written_paths(callbacks):
+    """What each callback of `callbacks` writes, as the workers tell each other when `fit` starts.
+
+    A list parallel to `callbacks`: `["backup", dir, save_freq, delete_checkpoint]` for a
+    `BackupAndRestore` (Keras' or keras_boost's), `[class name, path]` for a `CSVLogger` or
+    a `TensorBoard`, None for the others (a `ModelCheckpoint` saves through
+    `BoostModel.save`, which `write_whole` makes safe).
+    """
+    found = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            found.append(["backup", str(callback.backup_dir), callback.save_freq, bool(callback.delete_checkpoint)])
+            continue
+        kind = next(((cls, attribute) for cls, attribute in _LOGGERS if isinstance(callback, cls)), None)
+        found.append(None if kind is None else [kind[0].__name__, str(getattr(callback, kind[1]))])
+    return found
+
+
+def one_writer_per_file(callbacks, gathered, rank):
+    """Leaves each file that several workers' callbacks write to one writer, in place in `callbacks`.
+
+    `gathered`: every worker's `written_paths(...)`, in rank order (one allgather when `fit`
+    starts, `data_sync.check_agreement`); `rank`: this worker's. Each worker decides from
+    the same lists, so all decide alike:
+
+    - a `CSVLogger` or `TensorBoard` path that several workers give is written by the
+      lowest of them alone (the others get a callback that does nothing): every worker
+      logs the same averaged numbers, and two would double every CSV row and every
+      TensorBoard point;
+    - a `BackupAndRestore` is the job's: given with one directory on every worker it runs
+      as `keras_boost.callbacks.BackupAndRestore` (rank 0 writes, atomically, and sends
+      what it restores to every worker, so the directory need not be shared by the
+      hosts); each worker with a directory of its own keeps its own. A backup that some
+      workers have and others lack is a `ValueError`: they would resume at different epochs.
+
+    Returns the lines to print (rank 0 prints them), one per kind of change.
+    """
+    from keras_boost.distributed.callbacks import BackupAndRestore
+
+    size = len(gathered)
+    holders = {}
+    for worker, paths in enumerate(gathered):
+        for entry in paths:
+            if entry is not None:
+                holders.setdefault((entry[0], entry[1]), []).append(worker)
+    backups = {path: sorted(set(ranks)) for (kind, path), ranks in holders.items() if kind == "backup"}
+    having = sorted({r for ranks in backups.values() for r in ranks})
+    for path, ranks in backups.items():
+        if (len(ranks) > 1 or len(having) < size) and len(ranks) < size:
+            lacking = [r for r in range(size) if r not in ranks]
+            raise ValueError(
+                f"BackupAndRestore({path!r}) is given to fit on rank(s) {ranks} but not on rank(s) {lacking}: the "
+                "workers would resume at different epochs. Give the same BackupAndRestore on every worker (keras_boost "
+                "writes the backup on rank 0 alone and sends what it restores to every worker), or on none.")
+    lines, logged, converted = [], [], []
+    for index, (callback, entry) in enumerate(zip(callbacks, gathered[rank])):
+        if entry is None:
+            continue
+        kind, path = entry[0], entry[1]
+        ranks = sorted(set(holders[(kind, path)]))
+        if kind == "backup":
+            if len(ranks) == size and type(callback) is keras.callbacks.BackupAndRestore:
+                callbacks[index] = BackupAndRestore(path, save_freq=entry[2], delete_checkpoint=entry[3])
+                converted.append(f"{type(callback).__name__}({path!r})")
+        elif len(ranks) > 1:
+            logged.append((f"{kind}({path!r})", ranks[0]))
+            if rank != ranks[0]:
+                callbacks[index] = keras.callbacks.Callback()
+    if logged:
+        writers = {first for _, first in logged}
+        where = f"rank {writers.pop()}" if len(writers) == 1 else "the lowest rank that gives each"
+        lines.append(f"keras_boost: {', '.join(name for name, _ in logged)} write on {where} alone: all {size} workers "
+                     "log the same averaged numbers, and each would write every row and point again; give each worker "
+                     "a path of its own to keep them on every worker")
+    if converted:
+        lines.append(f"keras_boost: {', '.join(converted)} runs as keras_boost.callbacks.BackupAndRestore: rank 0 "
+                     "writes the backup, atomically, and sends what it restores to every worker")
+    return lines
 
 
 # ---------------------------------------------------------------------------- logs

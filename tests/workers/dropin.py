@@ -5,6 +5,8 @@
     dropin.py jit           compile(jit_compile=True), boost options on
     dropin.py rank0 DIR     fit; evaluate on all ranks; then `if rank == 0: evaluate/predict/save`
                             at the end of the script
+    dropin.py files DIR     a script written for one machine: Keras' file-writing callbacks with the
+                            same paths on every worker, then both workers saving one path at once
 """
 
 import sys
@@ -106,6 +108,29 @@ def run(mode, directory=None):
             model.save(f"{directory}/model.keras")
             model.save_weights(f"{directory}/model.weights.h5")
         return dict(weights=flat(model), **values)
+
+    if mode == "files":  # a script written for one machine: every worker writes the same paths
+        import os
+
+        os.makedirs(directory, exist_ok=True)
+        model = compile_sgd(mlp(BoostModel), metrics=["accuracy"])
+        callbacks = [keras.callbacks.CSVLogger(f"{directory}/log.csv", append=True),
+                     keras.callbacks.CSVLogger(f"{directory}/log{rank}.csv"),  # a path of its own: kept
+                     keras.callbacks.TensorBoard(f"{directory}/tb"),
+                     keras.callbacks.ModelCheckpoint(f"{directory}/e{{epoch}}.weights.h5", save_weights_only=True),
+                     keras.callbacks.ModelCheckpoint(f"{directory}/best.keras", save_best_only=True, monitor="loss"),
+                     keras.callbacks.BackupAndRestore(f"{directory}/backup", delete_checkpoint=False)]
+        model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        errors = []
+        for _ in range(12):  # both workers save one path at the same moment, again and again
+            distributed.barrier()
+            try:
+                model.save_weights(f"{directory}/same.weights.h5")
+                model.save(f"{directory}/same.keras")
+            except Exception as error:  # noqa: BLE001 - reported
+                errors.append(f"{type(error).__name__}: {error}"[:300])
+        distributed.barrier()
+        return dict(weights=flat(model), errors=errors)
 
     raise ValueError(f"unknown mode {mode!r}")
 
