@@ -210,6 +210,7 @@ SHARED = {
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("mismatch", "mismatch", []),
         ("dropin_files", "dropin", ["files", "{tmp}/files"]),
+        ("dropin_same_data", "dropin", ["same_data"]),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),  # last: rank 0 evaluates alone while the other exits
     ]),
     "mpi": dict(np=2, controller="mpi", timeout=480, slots=[1, 1], scenarios=[

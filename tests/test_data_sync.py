@@ -109,3 +109,24 @@ def test_datasets_and_explicit_steps_are_left_to_keras():
     assert without_epoch_stalls({"x": dataset})["x"] is dataset
     arrays = {"x": np.zeros((4, 2)), "y": np.zeros(4), "steps_per_epoch": 2}
     assert without_epoch_stalls(arrays) is arrays
+
+
+def test_the_sample_digest_tells_the_same_arrays_from_a_workers_part():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(1000, 4)).astype("float32"), rng.integers(0, 3, 1000)
+    whole = data_sync.sample_digest((x, y, None))
+    assert whole == data_sync.sample_digest((x.copy(), y.copy(), None)) and whole[1] == 1000
+    parts = [data_sync.sample_digest((x[r::2], y[r::2], None)) for r in (0, 1)]
+    assert parts[0] != parts[1] and whole not in parts
+    changed = y.copy()
+    changed[-1] += 1  # the last row is one of the 16 rows read
+    assert data_sync.sample_digest((x, changed, None)) != whole
+    assert data_sync.sample_digest(({"a": x}, y, None)) is not None  # a dict of inputs
+    assert data_sync.sample_digest(([[1.0, 2.0]], None, None)) is None  # not arrays: nothing said
+
+
+def test_the_same_data_line_needs_every_worker_alike():
+    same = ("d", 1000)
+    assert "the 3 workers were given the same 1000 training samples" in data_sync.same_data_line([same] * 3)
+    assert data_sync.same_data_line([same, ("e", 1000)]) is None
+    assert data_sync.same_data_line([None, None]) is None and data_sync.same_data_line([same]) is None

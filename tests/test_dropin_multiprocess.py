@@ -109,3 +109,13 @@ def test_a_script_written_for_one_machine_writes_each_file_once_and_whole_on_two
         loaded = keras.saving.load_model(directory / name)
         assert len(loaded.get_weights()) == len(found[0]["weights"])
     assert (directory / "e1.weights.h5").exists() and (directory / "e2.weights.h5").exists()
+
+
+def test_rank_zero_says_when_every_worker_was_given_the_same_arrays():
+    found = shared("gloo", "dropin_same_data")
+    assert "error" not in found[0], found[0].get("error")
+    n = len(worker.data()[0])
+    assert len(found[0]["whole"]) == 1 and f"the 2 workers were given the same {n} training samples" in \
+        found[0]["whole"][0], found[0]
+    assert "keras_boost.app.data.shard((x, y), distributed.rank(), distributed.size())" in found[0]["whole"][0]
+    assert found[0]["shards"] == [] and found[1]["whole"] == found[1]["shards"] == []  # rank 0 alone says it

@@ -16,7 +16,10 @@ Python object) that carries, from every worker:
 - the number of batches of its training data per epoch (-1 when unknown);
 - what its callbacks write (`dropin.written_paths`): a `CSVLogger` or `TensorBoard` path
   that several workers give is left to one of them, and a `BackupAndRestore` becomes the
-  job's (`dropin.one_writer_per_file`).
+  job's (`dropin.one_writer_per_file`);
+- a digest of its training arrays (`sample_digest`): where every worker was given the same
+  ones (a script written for one machine, not sharded), rank 0 says so, once per `fit`,
+  and how to give each worker its part.
 
 Uneven data, the semantics (see docs/reliability.md):
 
@@ -38,6 +41,7 @@ worker evaluates all of its own data, and `metrics_result` combines the workers'
 workers, each weighted by its true sample count.
 """
 
+import hashlib
 import json
 import math
 import platform
@@ -164,27 +168,61 @@ def _differences(prints):
     return found
 
 
-def check_agreement(model, fit_args, local_steps, callbacks=None):
+def sample_digest(arrays):
+    """`(digest, samples)` of in-memory training arrays, or None for other data.
+
+    The digest hashes every array's shape and dtype and 16 rows spread over it: cheap at any
+    size, and equal on workers that were given the same arrays (a script written for one
+    machine loads the whole data set on every worker).
+    """
+    leaves = [a for a in tf.nest.flatten(arrays) if a is not None]
+    if not leaves or not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in leaves) or not len(leaves[0]):
+        return None
+    rows = np.unique(np.linspace(0, len(leaves[0]) - 1, 16).astype(np.int64))
+    digest = hashlib.sha1()
+    for array in leaves:
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(np.ascontiguousarray(array[rows]).tobytes())
+    return digest.hexdigest(), len(leaves[0])
+
+
+def same_data_line(samples):
+    """The line rank 0 prints when every worker was given the same training arrays, or None.
+
+    `samples`: every worker's `sample_digest` (None where it was not arrays).
+    """
+    if len(samples) < 2 or samples[0] is None or any(s != samples[0] for s in samples):
+        return None
+    return (f"keras_boost: the {len(samples)} workers were given the same {samples[0][1]} training samples, so each "
+            "trains on all of them: an epoch takes as many steps as in one process, and with one shuffle seed every "
+            "worker computes the same gradients. To split each epoch's samples across the workers, give each its "
+            "part: keras_boost.app.data.shard((x, y), distributed.rank(), distributed.size()) (Horovod's keras_mnist "
+            "example keeps the whole data on every worker and divides the epochs by their number instead)")
+
+
+def check_agreement(model, fit_args, local_steps, callbacks=None, samples=None):
     """One allgather: raises ValueError on a configuration mismatch; returns every worker's steps.
 
     `callbacks`: fit's list of callbacks, or None; its file writers are settled in place
-    (`dropin.one_writer_per_file`), and rank 0 prints what changed.
+    (`dropin.one_writer_per_file`), and rank 0 prints what changed. `samples`: this
+    worker's `sample_digest`; rank 0 says when every worker was given the same arrays.
     """
     from keras_boost.distributed import dropin
 
     mine = {"print": fingerprint(model, fit_args), "steps": int(local_steps),
-            "writes": dropin.written_paths(callbacks or [])}
+            "writes": dropin.written_paths(callbacks or []), "samples": samples}
     gathered = distributed.allgather_object(mine, name=_FIT_CHECK)
     differences = _differences([g["print"] for g in gathered])
     if differences:
         raise ValueError(
             f"the {len(gathered)} workers were started with different configurations, so fit would hang or "
             "average unrelated tensors; make them identical: " + "; ".join(differences[:6]))
+    lines = [same_data_line([g["samples"] for g in gathered])]
     if callbacks is not None:
-        lines = dropin.one_writer_per_file(callbacks, [g["writes"] for g in gathered], distributed.rank())
-        if distributed.rank() == 0:
-            for line in lines:
-                print(line, flush=True)
+        lines += dropin.one_writer_per_file(callbacks, [g["writes"] for g in gathered], distributed.rank())
+    if distributed.rank() == 0:
+        for line in filter(None, lines):
+            print(line, flush=True)
     return [g["steps"] for g in gathered]
 
 
@@ -309,7 +347,8 @@ def prepare_fit(model, arguments, callbacks=None):
                                    args["shuffle"], args["class_weight"])
         local_steps = _num_batches(adapter)
 
-    steps = check_agreement(model, fit_args, local_steps, callbacks)
+    samples = sample_digest((args["x"], args["y"], args["sample_weight"])) if is_array_like else None
+    steps = check_agreement(model, fit_args, local_steps, callbacks, samples)
     if args["steps_per_epoch"] is not None:
         return args
     known = all(s >= 0 for s in steps)

@@ -7,6 +7,7 @@
                             at the end of the script
     dropin.py files DIR     a script written for one machine: Keras' file-writing callbacks with the
                             same paths on every worker, then both workers saving one path at once
+    dropin.py same_data     fit on the same arrays on every worker, then on each worker's part
 """
 
 import sys
@@ -131,6 +132,19 @@ def run(mode, directory=None):
                 errors.append(f"{type(error).__name__}: {error}"[:300])
         distributed.barrier()
         return dict(weights=flat(model), errors=errors)
+
+    if mode == "same_data":  # every worker given the whole arrays, then each its part
+        import contextlib
+        import io
+
+        lines = {}
+        for name, (xw, yw) in (("whole", (x, y)), ("shards", (xs, ys))):
+            model = compile_sgd(mlp(BoostModel))
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                model.fit(xw, yw, batch_size=BATCH, epochs=1, verbose=0)
+            lines[name] = [line for line in printed.getvalue().splitlines() if "were given the same" in line]
+        return lines
 
     raise ValueError(f"unknown mode {mode!r}")
 
