@@ -118,4 +118,5 @@ def test_rank_zero_says_when_every_worker_was_given_the_same_arrays():
     assert len(found[0]["whole"]) == 1 and f"the 2 workers were given the same {n} training samples" in \
         found[0]["whole"][0], found[0]
     assert "keras_boost.app.data.shard((x, y), distributed.rank(), distributed.size())" in found[0]["whole"][0]
+    assert found[0]["whole_split"] == found[0]["whole"]  # the same arrays, given with a validation split
     assert found[0]["shards"] == [] and found[1]["whole"] == found[1]["shards"] == []  # rank 0 alone says it

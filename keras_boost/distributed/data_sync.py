@@ -319,6 +319,8 @@ def prepare_fit(model, arguments, callbacks=None):
     args.update(arguments)
     x = args["x"]
     is_array_like = not isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) and not _is_generator(x)
+    # the arrays as given (Keras' validation split below makes tensors of them)
+    samples = sample_digest((x, args["y"], args["sample_weight"])) if is_array_like else None
     if is_array_like and args["batch_size"] is None and args["steps_per_epoch"] is None:
         args["batch_size"] = 32  # Keras' default, made explicit so that it is compared
     fit_args = {**args, "validation": bool(args["validation_data"] is not None or args["validation_split"])}
@@ -347,7 +349,6 @@ def prepare_fit(model, arguments, callbacks=None):
                                    args["shuffle"], args["class_weight"])
         local_steps = _num_batches(adapter)
 
-    samples = sample_digest((args["x"], args["y"], args["sample_weight"])) if is_array_like else None
     steps = check_agreement(model, fit_args, local_steps, callbacks, samples)
     if args["steps_per_epoch"] is not None:
         return args

@@ -209,13 +209,13 @@ def one_writer_per_file(callbacks, gathered, rank):
     from keras_boost.distributed.callbacks import BackupAndRestore
 
     size = len(gathered)
-    holders = {}
+    holders = {}  # (kind, path): the ranks that give it, in order
     for worker, paths in enumerate(gathered):
         for entry in paths:
-            if entry is not None:
-                holders.setdefault((entry[0], entry[1]), []).append(worker)
-    backups = {path: sorted(set(ranks)) for (kind, path), ranks in holders.items() if kind == "backup"}
-    having = sorted({r for ranks in backups.values() for r in ranks})
+            if entry is not None and worker not in holders.setdefault((entry[0], entry[1]), []):
+                holders[(entry[0], entry[1])].append(worker)
+    backups = {path: ranks for (kind, path), ranks in holders.items() if kind == "backup"}
+    having = {r for ranks in backups.values() for r in ranks}
     for path, ranks in backups.items():
         if (len(ranks) > 1 or len(having) < size) and len(ranks) < size:
             lacking = [r for r in range(size) if r not in ranks]
@@ -228,7 +228,7 @@ def one_writer_per_file(callbacks, gathered, rank):
         if entry is None:
             continue
         kind, path = entry[0], entry[1]
-        ranks = sorted(set(holders[(kind, path)]))
+        ranks = holders[(kind, path)]
         if kind == "backup":
             if len(ranks) == size and type(callback) is keras.callbacks.BackupAndRestore:
                 callbacks[index] = BackupAndRestore(path, save_freq=entry[2], delete_checkpoint=entry[3])

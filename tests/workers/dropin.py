@@ -138,11 +138,12 @@ def run(mode, directory=None):
         import io
 
         lines = {}
-        for name, (xw, yw) in (("whole", (x, y)), ("shards", (xs, ys))):
+        for name, (xw, yw), split in (("whole", (x, y), 0.0), ("whole_split", (x, y), 0.25),
+                                      ("shards", (xs, ys), 0.0)):
             model = compile_sgd(mlp(BoostModel))
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                model.fit(xw, yw, batch_size=BATCH, epochs=1, verbose=0)
+                model.fit(xw, yw, batch_size=BATCH, epochs=1, verbose=0, validation_split=split)
             lines[name] = [line for line in printed.getvalue().splitlines() if "were given the same" in line]
         return lines
 
