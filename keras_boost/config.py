@@ -13,7 +13,8 @@ Configuration (a dict, or the path of a JSON file), with MindSpore's sections an
 
     {"boost": {"mode": "auto" | "manual" | "enable_all" | "disable_all",
                "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool,
-               "measure": bool, "fused_update": bool, "fused_batchnorm": bool},
+               "measure": bool, "fused_update": bool, "fused_batchnorm": bool,
+               "conv_matmul": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
      "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
@@ -42,6 +43,10 @@ training kernels (`keras_boost.stages.fused_update`), as MindSpore's optimizers 
 Fused BatchNorm (keras_boost's; `"boost": {"fused_batchnorm": True}` by default in the same
 cases): Keras' `BatchNormalization` layers train through TensorFlow's fused kernel inside
 the step (`keras_boost.stages.fused_batchnorm`), as MindSpore's `BatchNorm` is one kernel.
+One-pixel convolutions as matrix products (keras_boost's; `"boost": {"conv_matmul": True}` by
+default in the same cases): a convolution whose output is one pixel (an ImageNet network's last
+stages on 32x32 images) runs inside the step as one matrix product
+(`keras_boost.stages.conv_matmul`).
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -122,7 +127,7 @@ def _check_keys(where, given, valid):
 _check_bool = check_bool
 
 
-_BOOST_OPTIONS = ("mode", "measure", "fused_update", "fused_batchnorm")  # the "boost" keys that are no feature switch
+_BOOST_OPTIONS = ("mode", "measure", "fused_update", "fused_batchnorm", "conv_matmul")  # the "boost" keys that are no feature switch
 
 
 class BoostConfig:
@@ -145,6 +150,8 @@ class BoostConfig:
             kernels (default: whether any feature is on).
         fused_batchnorm: whether the step's forward pass trains the BatchNormalization layers
             with TensorFlow's fused kernel (default: whether any feature is on).
+        conv_matmul: whether the step's forward pass computes the convolutions whose output
+            is one pixel as matrix products (default: whether any feature is on).
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
     checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
@@ -168,6 +175,8 @@ class BoostConfig:
                                         boost.get("fused_update", any(self.features.values())))
         self.fused_batchnorm = _check_bool("boost_config['boost']['fused_batchnorm']",
                                            boost.get("fused_batchnorm", any(self.features.values())))
+        self.conv_matmul = _check_bool("boost_config['boost']['conv_matmul']",
+                                       boost.get("conv_matmul", any(self.features.values())))
         self.params = copy.deepcopy(DEFAULTS)
         for section, defaults in DEFAULTS.items():
             given = config.get(section, {})

@@ -52,7 +52,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             `gradient_split_groups` / `ParameterProcess` fusion groups).
         stages: more `keras_boost.step.Stage` objects to run in the step.
         **kwargs: Keras' own compile arguments, and the options of the other registered
-            stages: keras_boost's `fused_update`, `fused_batchnorm` (bools; on at O1/O2),
+            stages: keras_boost's `fused_update`, `fused_batchnorm`, `conv_matmul` (bools; on at O1/O2),
             `gradient_clipping`, `compression`, `hierarchical_allreduce` (see their pages
             in docs/), and those registered with `keras_boost.step.registry.register`.
 

@@ -33,12 +33,14 @@ Configurations (`--configs`):
     O1-noahead   O1 with KERAS_BOOST_TRACE_AHEAD=0 (each freeze group's step traced when it first trains)
     O1-nofused   O1 with {"boost": {"fused_update": False}}: Keras' own optimizer update (separate tensor ops)
     O1-nofusedbn O1 with {"boost": {"fused_batchnorm": False}}: Keras' own BatchNormalization ops
+    O1-nocm      O1 with {"boost": {"conv_matmul": False}}: one-pixel convolutions stay convolutions
     O1-nofreeze  O1 without gradient freezing (manual mode: LessBN and its companions, the fused update)
     O0-guard     O0 with compile(nan_guard=True): the finiteness check of the averaged gradients
                  before every update (off by default since December 5, 2026)
     O0-noguard   O0 with compile(nan_guard=False): the default, said explicitly
     O0-fused     O0 with compile(fused_update=True): the optimizer's update through TensorFlow's fused kernels
     O0-fusedbn   O0 with compile(fused_batchnorm=True): BatchNormalization through TensorFlow's fused kernel
+    O0-cm        O0 with compile(conv_matmul=True): convolutions with a one-pixel output as matrix products
     O0-scale-fixed, O0-scale-dynamic
                  O0 with loss scaling (FixedLossScale(1024), DynamicLossScale()) in float32
     O1-nogc      O1-mindspore without gradient centralization
@@ -87,10 +89,12 @@ CONFIGS = {
     "O1-nofused": ("O1", {"boost": {"fused_update": False}}),
     "O1-nofreeze": ("O1", O1_NO_FREEZE),
     "O1-nofusedbn": ("O1", {"boost": {"fused_batchnorm": False}}),
+    "O1-nocm": ("O1", {"boost": {"conv_matmul": False}}),
     "O0-guard": ("O0", None),
     "O0-noguard": ("O0", None),
     "O0-fused": ("O0", None),
     "O0-fusedbn": ("O0", None),
+    "O0-cm": ("O0", None),
     "O1-nogc": ("O1", {"less_bn": {**MINDSPORE_LESS_BN, "gc_flag": False}, "grad_freeze": MINDSPORE_FREEZE}),
     "O1-cont": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 10}}),
     "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
@@ -111,6 +115,7 @@ def compile_options(config):
             "O0-noguard": lambda: {"nan_guard": False},
             "O0-fused": lambda: {"fused_update": True},
             "O0-fusedbn": lambda: {"fused_batchnorm": True},
+            "O0-cm": lambda: {"conv_matmul": True},
             "O0-scale-fixed": lambda: {"loss_scale": FixedLossScale(1024.0)},
             "O0-scale-dynamic": lambda: {"loss_scale": DynamicLossScale()}}.get(config, dict)()
 

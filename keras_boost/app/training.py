@@ -149,6 +149,8 @@ def boost_report(model, frozen_steps=None):
     if step.fused_batchnorm is not None:
         report["fused_batchnorm"] = f"{len(step.fused_batchnorm.layers)} of " \
             f"{len(step.fused_batchnorm.layers) + len(step.fused_batchnorm.not_fused)}"
+    if step.conv_matmul is not None:
+        report["conv_matmul"] = len(step.conv_matmul.rewritten)
     return report
 
 

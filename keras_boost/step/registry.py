@@ -189,6 +189,7 @@ BUILTIN = (
     ("clipping", "GradientClipping", ()),
     ("fused_update", "FusedUpdate", ()),
     ("fused_batchnorm", "FusedBatchNorm", ()),
+    ("conv_matmul", "ConvMatmul", ()),
     ("adasum", "AdaSum", ()),
     ("compression", "GradientCompression", ()),
     ("hierarchical", "HierarchicalAllreduce", ()),
