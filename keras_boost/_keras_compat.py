@@ -47,6 +47,8 @@ check_keras_version()
 from keras.src.models.functional import Functional  # noqa: E402
 from keras.src.models.model import functional_init_arguments  # noqa: E402
 from keras.src.trainers.trainer import Trainer  # noqa: E402
+from keras.src.layers.convolutional.base_conv import BaseConv  # noqa: E402  (Conv1D/2D/3D; one-pixel matmuls)
+from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv  # noqa: E402
 
 
 def get_data_adapter(*args, **kwargs):

@@ -30,14 +30,13 @@ import itertools
 import math
 import threading
 
-import keras
 import tensorflow as tf
 
 from keras_boost import _keras_compat
 from keras_boost.core.contract import Stage
 
-_BaseConv = keras.src.layers.convolutional.base_conv.BaseConv
-_BaseDepthwiseConv = keras.src.layers.convolutional.base_depthwise_conv.BaseDepthwiseConv
+_BaseConv = _keras_compat.BaseConv
+_BaseDepthwiseConv = _keras_compat.BaseDepthwiseConv
 
 
 class ConvMatmul(Stage):
