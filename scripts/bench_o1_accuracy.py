@@ -13,7 +13,7 @@ Variants: O0, O1 (keras_boost's defaults), O1-mindspore (MindSpore's defaults: G
 freezing over 10 groups), and diagnostics of MindSpore's O1: O1-fn-off (without the FN head),
 O1-freeze-off, O1-gc-off; O1-cont (no GC, continuous freezing over 10 groups), O1-cont4 (over 4
 groups: keras_boost's defaults), O1-cont4-gc (with GC),
-O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
+O1-nocm (keras_boost's O1 without its one-pixel matrix products), O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
 Prints one JSON line per run: family, variant, seed, test accuracy, seconds.
 
     python scripts/bench_o1_accuracy.py --families convnet --variants O0 O1 --train-samples 10000 --epochs 3
@@ -46,6 +46,7 @@ VARIANTS = {
     "O1-cont4": ("O1", {"less_bn": {"gc_flag": False}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     "O1-cont4-gc": ("O1", {"less_bn": {"gc_flag": True}, "grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     # keras_boost's O1 with its freezing kept whatever LessBN removed (the grad_freeze section given)
+    "O1-nocm": ("O1", {"boost": {"conv_matmul": False}}),  # O1 with its one-pixel convolutions left as convolutions
     "O1-freeze-kept": ("O1", {"grad_freeze": {"freeze_type": 0, "param_groups": 4}}),
     # the FN head's initial multiplier (keras_boost.graph.less_bn.FN_SCALE; default 16): MindSpore's 1.0, AdaCos'
     "O1-scale1": ("O1", MS),
