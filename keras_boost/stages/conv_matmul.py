@@ -25,15 +25,14 @@ does not fit (channels first, `groups` > 1, `padding="causal"`, a subclass that 
 the convolution or the call, as Keras' `Conv1D` does), keep Keras' call.
 """
 
-import contextlib
 import itertools
 import math
-import threading
 
 import tensorflow as tf
 
 from keras_boost import _keras_compat
 from keras_boost.core.contract import Stage
+from keras_boost.stages import swap
 
 _BaseConv = _keras_compat.BaseConv
 _BaseDepthwiseConv = _keras_compat.BaseDepthwiseConv
@@ -114,34 +113,14 @@ def one_pixel_taps(spatial, kernel_size, strides, dilation_rate, padding):
     return taps
 
 
-_LOCK = threading.Lock()
-_ENTERED = {}  # id(layer) -> how many forward passes (threads tracing ahead included) use the matrix product
-
-
-@contextlib.contextmanager
 def matmul_calls(layers, rewritten=None):
     """While inside, each of `layers` computes a one-pixel output as a matrix product (eager or traced).
 
-    Reentrant and thread-safe, as `fused_batchnorm.fused_calls`. `rewritten`, a set, gets
-    the name of every layer whose call took the matrix product.
+    Reentrant and thread-safe (`keras_boost.stages.swap`). `rewritten`, a set, gets the name
+    of every layer whose call took the matrix product.
     """
-    with _LOCK:
-        for layer in layers:
-            if _ENTERED.get(id(layer), 0) == 0:
-                if isinstance(layer, _BaseConv):
-                    object.__setattr__(layer, "convolution_op", _conv_op(layer, rewritten))
-                else:
-                    object.__setattr__(layer, "call", _depthwise_call(layer, rewritten))
-            _ENTERED[id(layer)] = _ENTERED.get(id(layer), 0) + 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for layer in layers:
-                _ENTERED[id(layer)] -= 1
-                if _ENTERED[id(layer)] == 0:
-                    del _ENTERED[id(layer)]
-                    object.__delattr__(layer, "convolution_op" if isinstance(layer, _BaseConv) else "call")
+    return swap.swapped(layers, lambda layer: "convolution_op" if isinstance(layer, _BaseConv) else "call",
+                        lambda layer: (_conv_op if isinstance(layer, _BaseConv) else _depthwise_call)(layer, rewritten))
 
 
 def _taps_of(layer, inputs):

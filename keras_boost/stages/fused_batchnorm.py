@@ -24,15 +24,13 @@ variables not in float32, `epsilon` below 1.001e-5 (cuDNN's floor), and subclass
 override `call`.
 """
 
-import contextlib
-import threading
-
 import keras
 import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops
 
 from keras_boost import _keras_compat
 from keras_boost.core.contract import Stage
+from keras_boost.stages import swap
 
 _MIN_EPSILON = 1.001e-5  # TensorFlow's floor for the fused kernel (cuDNN's CUDNN_BN_MIN_EPSILON, with a margin)
 
@@ -88,31 +86,13 @@ def why_not_fused(layer):
     return None
 
 
-_LOCK = threading.Lock()
-_ENTERED = {}  # id(layer) -> how many forward passes (threads tracing ahead included) use its fused call
-
-
-@contextlib.contextmanager
 def fused_calls(layers):
     """While inside, each of `layers` trains through the fused kernel (eager or traced).
 
-    Reentrant and thread-safe: freeze groups traced ahead in a background thread enter it
-    while the main thread may be inside too; the last one out restores Keras' call.
+    Reentrant and thread-safe (`keras_boost.stages.swap`): freeze groups traced ahead in a
+    background thread enter it while the main thread may be inside too.
     """
-    with _LOCK:
-        for layer in layers:
-            if _ENTERED.get(id(layer), 0) == 0:
-                object.__setattr__(layer, "call", _fused_call(layer))
-            _ENTERED[id(layer)] = _ENTERED.get(id(layer), 0) + 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for layer in layers:
-                _ENTERED[id(layer)] -= 1
-                if _ENTERED[id(layer)] == 0:
-                    del _ENTERED[id(layer)]
-                    object.__delattr__(layer, "call")
+    return swap.swapped(layers, lambda layer: "call", _fused_call)
 
 
 def _fused_call(layer):
