@@ -187,6 +187,23 @@ def test_auto_precision_on_cpus_needs_onednn(onednn):
     assert o1 == ("mixed_bfloat16" if onednn == "1" and cpu_has_native_bf16() else "float32")
 
 
+@pytest.mark.parametrize("native_bf16, onednn, expected", [
+    (True, True, "mixed_bfloat16"),
+    (True, False, "float32"),  # TensorFlow would emulate bfloat16 in Eigen
+    (False, True, "float32"),
+])
+def test_auto_precision_on_a_cpu_with_and_without_native_bf16_and_onednn(monkeypatch, native_bf16, onednn, expected):
+    """The rule of `resolve_precision` on CPUs this machine may not be (the test above checks this CPU for real)."""
+    from keras_boost import precision
+
+    if GPUS:
+        pytest.skip("a GPU decides the precision here, not the CPU")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(precision, "onednn_enabled", lambda: onednn)
+    assert precision.resolve_precision("auto", "O1") == expected
+    assert precision.resolve_precision("auto", "O0") == "float32"
+
+
 def test_bad_precision():
     with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'float32', 'mixed_float16', "
                                          r"'mixed_bfloat16'\), got 'float16'"):
