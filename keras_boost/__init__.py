@@ -19,7 +19,10 @@ _ARGV = list(getattr(_sys, "orig_argv", _sys.argv))
 if any(_os.path.basename(a) == "keras-boost" for a in _ARGV[:2]) or "keras_boost.app.cli" in _ARGV[1:3]:
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_boost import _keras_compat  # noqa: E402,F401 - checks the Keras version first
+from keras_boost._startup import import_tensorflow as _import_tensorflow  # noqa: E402
+
+_import_tensorflow()  # checks the TensorFlow version first, and keeps its start-up lines quiet
+from keras_boost import _keras_compat  # noqa: E402,F401 - checks the Keras version
 from keras_boost import distributed, optimizers, step  # noqa: E402
 from keras_boost.mindspore.auto_boost import AutoBoost
 from keras_boost.mindspore.params import OptimizerProcess, ParameterProcess

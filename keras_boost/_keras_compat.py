@@ -5,7 +5,7 @@ it is needed and since which Keras version it is known to work. Nothing else in 
 package imports `keras.src` or reads a private Keras attribute. `import keras_boost`
 checks the Keras version first and fails with a clear message outside the tested range.
 
-Tested with Keras 3.15.1 (what TensorFlow 2.18.1 installs); the lower bound is the first
+The supported range is in `_versions.py`; the lower bound is the first
 3.x whose names below all exist (`Functional`, `functional_init_arguments`,
 `Layer._flatten_layers`, `Trainer._symbolic_build`, `Trainer._loss_tracker`,
 `Trainer._get_metrics_result_or_logs`, `TensorFlowTrainer._autoconvert_optionals` and
@@ -17,26 +17,14 @@ import functools
 
 import keras
 
-SUPPORTED_KERAS = ((3, 15), (3, 16))  # [lower, upper): the range setup.py allows
-
-
-def _version_tuple(version):
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+from keras_boost._versions import keras_problem  # noqa: E402
 
 
 def check_keras_version(version=None):
     """Raises ImportError naming the supported range when Keras is outside it."""
-    version = version or keras.__version__
-    low, high = SUPPORTED_KERAS
-    if not low <= _version_tuple(version) < high:
-        raise ImportError(
-            f"keras_boost supports Keras >={low[0]}.{low[1]},<{high[0]}.{high[1]} (tested with 3.15.1); "
-            f"this environment has Keras {version}. Install a supported version, e.g. "
-            f"pip install 'keras>={low[0]}.{low[1]},<{high[0]}.{high[1]}'.")
+    problem = keras_problem(version or keras.__version__)
+    if problem:
+        raise ImportError(problem)
 
 
 check_keras_version()

@@ -10,6 +10,7 @@
 # See tests/cluster.py for what a host is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="$ROOT/.venv/bin/python"; [ -x "$PY" ] || PY=python3
+source "$ROOT/scripts/venv.sh"
+PY="$VENV/bin/python"; [ -x "$PY" ] || PY=python3
 cd "$ROOT"
 exec "$PY" -m tests.cluster "$@"

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything keras_boost needs on a fresh Debian 12 machine: system packages,
-# the .venv, TensorFlow/Keras, and Horovod built with TensorFlow + MPI + Gloo.
+# the venv, TensorFlow/Keras, and Horovod built with TensorFlow + MPI + Gloo.
 # Idempotent: a rerun checks each step and skips what is already in place.
+#
+# TF_VERSION=2.18.1 ./scripts/setup.sh sets up another supported TensorFlow (see
+# keras_boost/_versions.py; the default is the newest) in its own venv, .venv-tf2.18.1 (the
+# default's is .venv); test.sh and demo.sh take the same variable. Horovod is built from its
+# sdist with keras_boost/horovod_patches applied (keras_boost/app/horovod_build.py, the code
+# behind `keras-boost build-horovod`), one cached wheel per TensorFlow version.
 #
 # On a machine with an NVIDIA GPU (`nvidia-smi -L` lists one) it installs
 # tensorflow[and-cuda] instead of tensorflow-cpu and builds Horovod with NCCL GPU
@@ -16,19 +22,26 @@ set -euo pipefail
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-TF_VERSION="2.18.1"
-HVD_VERSION="0.28.1"
-CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
-DATA_DIR="/usr/share/datasets/fashion-mnist"
-# openssh-server, iproute2 and util-linux: the multi-host tests' cluster of network-namespace hosts (tests/cluster.py)
-APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist
-              openssh-server openssh-client iproute2 util-linux)
-TOOL_PACKAGES=("keras>=3.15,<3.16" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib" "cloudpickle" "psutil" "pyyaml")
-GPU_BUILD_PACKAGES=("nvidia-nccl-cu12" "nvidia-cuda-nvcc-cu12")
-
 step() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+command -v python3 >/dev/null || die "python3 not found: install Python 3.10 or 3.11 (Debian: apt-get install python3 python3-venv)"
+source "$ROOT/scripts/venv.sh"
+python3 "$ROOT/keras_boost/_versions.py" check "$TF_VERSION" || exit 1
+HVD_VERSION="$(cd "$ROOT/keras_boost" && python3 -c 'import _versions; print(_versions.HOROVOD)')"
+CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
+# The patch set's id, as keras_boost/app/horovod_build.py computes it: a changed patch builds anew.
+PATCH_ID="$(cat $(ls "$ROOT"/keras_boost/horovod_patches/*.patch | LC_ALL=C sort) | sha256sum | cut -c1-8)"
+DATA_DIR="/usr/share/datasets/fashion-mnist"
+# openssh-server, iproute2 and util-linux: the multi-host tests' cluster of network-namespace hosts (tests/cluster.py)
+# patch: keras_boost/horovod_patches
+APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ patch libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist
+              openssh-server openssh-client iproute2 util-linux)
+# TensorFlow 2.19's headers include LLVM headers its wheel does not ship (TensorFlow issue #90026)
+case "$TF_VERSION" in 2.19.*) APT_PACKAGES+=(llvm-14-dev) ;; esac
+# tensorboard: tf.summary (Keras' TensorBoard callback); tensorflow-cpu 2.21 no longer pulls it in
+TOOL_PACKAGES=("keras>=3.15,<3.16" "tensorboard" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib"
+               "cloudpickle" "psutil" "pyyaml")
+GPU_BUILD_PACKAGES=("nvidia-nccl-cu12" "nvidia-cuda-nvcc-cu12")
 
 # ---------------------------------------------------------------- the plan
 # detect_gpus: prints the number of NVIDIA GPUs `nvidia-smi -L` lists (0 without nvidia-smi or a driver).
@@ -52,7 +65,7 @@ plan() {
     gpu) VARIANT=gpu; DETECTED_BY="KERAS_BOOST_DEVICE=gpu" ;;
     *) die "KERAS_BOOST_DEVICE must be auto, cpu or gpu, got '${KERAS_BOOST_DEVICE}'" ;;
   esac
-  WHEEL_BASE="$CACHE/horovod-$HVD_VERSION-tf$TF_VERSION-$pytag-$(uname -m)"
+  WHEEL_BASE="$CACHE/horovod-$HVD_VERSION-tf$TF_VERSION-$pytag-$(uname -m)-p$PATCH_ID"
   if [ "$VARIANT" = cpu ]; then
     TF_PACKAGE="tensorflow-cpu==$TF_VERSION"
     WHEEL_DIR="$WHEEL_BASE"
@@ -68,6 +81,7 @@ plan() {
 }
 
 print_plan() {
+  echo "venv: $VENV"
   echo "variant: $VARIANT ($DETECTED_BY)"
   echo "tensorflow: $TF_PACKAGE"
   if [ "$VARIANT" = cpu ]; then
@@ -129,7 +143,7 @@ else
   TF_CHECK="import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION' or not tf.test.is_built_with_cuda())"
 fi
 if ! "$PY" -c "$TF_CHECK" 2>/dev/null \
-   || ! "$PY" -c "import pytest, pytest_timeout, hypothesis, matplotlib, mpi4py, psutil" 2>/dev/null \
+   || ! "$PY" -c "import pytest, pytest_timeout, hypothesis, matplotlib, mpi4py, psutil, tensorboard" 2>/dev/null \
    || { [ "$VARIANT" = gpu ] && ! "$PY" -c "import nvidia.nccl, nvidia.cuda_nvcc" 2>/dev/null; }; then
   if [ "$VARIANT" = gpu ] && "$PY" -m pip show -q tensorflow-cpu >/dev/null 2>&1; then
     "$PY" -m pip uninstall -q -y tensorflow-cpu || die "could not remove tensorflow-cpu before installing $TF_PACKAGE"
@@ -148,20 +162,11 @@ sys.exit(0 if ok and (os.environ["NEED_NCCL"] != "1" or hvd.nccl_built()) else 1
 ' 2>/dev/null
 }
 
-# build_wheel DIR [VAR=VALUE...]: builds the Horovod wheel into DIR with the extra build variables; 1 on failure.
+# build_wheel DIR [VAR=VALUE...]: builds the patched Horovod wheel into DIR with the extra build
+# variables (keras-boost build-horovod's code: sdist, patches, progress); 1 on failure.
 build_wheel() {
   local dir="$1"; shift
-  mkdir -p "$dir"
-  local tmp
-  tmp=$(mktemp -d "$dir.build.XXXX")
-  if env "$@" HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
-       "$PY" -m pip wheel -q --no-build-isolation --no-cache-dir --no-deps -w "$tmp" "horovod==$HVD_VERSION"; then
-    mv "$tmp"/horovod-*.whl "$dir"/ && rm -rf "$tmp"
-    return 0
-  fi
-  rm -rf "$tmp"
-  return 1
+  env "$@" PYTHONPATH="$ROOT" KERAS_BOOST_CACHE="$CACHE" "$PY" -m keras_boost.app.horovod_build --wheel-dir "$dir"
 }
 
 # cuda_trees: one CUDA tree (bin/nvcc, nvvm, include, lib64) and one NCCL tree (include, lib/libnccl.so)
@@ -198,7 +203,7 @@ if [ "$VARIANT" = cpu ]; then
     step "    already installed"
   else
     if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-      step "    no cached wheel in $WHEEL_DIR: building (about 2-3 minutes on 2 cores)"
+      step "    no cached wheel in $WHEEL_DIR: building (about 4 minutes on 2 cores)"
       build_wheel "$WHEEL_DIR" || die "building horovod==$HVD_VERSION failed (see the compiler output above)"
     else
       step "    using cached wheel from $WHEEL_DIR"
@@ -250,4 +255,4 @@ if [ "$(cd /tmp && "$PY" -c 'import os, keras_boost; print(os.path.dirname(os.pa
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null || die "pip install -e $ROOT failed"
 fi
 "$VENV/bin/keras-boost" --help >/dev/null || die "the keras-boost command does not run"
-step "done: $("$PY" -c 'import tensorflow as tf, keras, horovod; print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Horovod {horovod.__version__}")')"
+step "done in $VENV: $("$PY" -c 'import keras_boost, tensorflow as tf, keras, horovod; print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Horovod {horovod.__version__}")')"

@@ -81,8 +81,8 @@ def test_keras_version_outside_the_range_fails_with_the_range():
 # The folders from the bottom up (docs/architecture.md, "Layout"): a module imports only
 # modules of its own folder or of a lower one, so a stage never runs back up into the loop.
 LAYERS = (
-    {"keras_boost._version", "keras_boost._validation", "keras_boost._keras_compat", "keras_boost.config",
-     "keras_boost.precision"},
+    {"keras_boost._version", "keras_boost._versions", "keras_boost._startup", "keras_boost._validation",
+     "keras_boost._keras_compat", "keras_boost.config", "keras_boost.precision"},
     {"keras_boost.core"},
     {"keras_boost.distributed", "keras_boost.graph"},
     {"keras_boost.stages"},

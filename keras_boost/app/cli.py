@@ -1,4 +1,4 @@
-"""The `keras-boost` command: info, train."""
+"""The `keras-boost` command: info, train, bench, build-horovod."""
 
 import argparse
 import json
@@ -256,12 +256,19 @@ def build_parser():
     bench.add_argument("--raw", default=None, help="also write every run (epoch and step times, test accuracy "
                        "per epoch, boost report) to this file, one JSON object per line")
     bench.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
+    sub.add_parser("build-horovod", add_help=False,
+                   help="build Horovod (patched for TensorFlow 2.19+) for this environment's TensorFlow, "
+                   "install it and report; keras-boost build-horovod --help for its options")
     parser.subcommands = {"info": info, "train": train, "bench": bench}  # their own usage in errors
     return parser
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["build-horovod"]:
+        from keras_boost.app import horovod_build
+
+        return horovod_build.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _resolve_hosts(parser, args)

@@ -22,7 +22,17 @@ another order). Layers the kernel does not fit keep Keras' call: a mask, `renorm
 `synchronized`, an axis other than the last, inputs of rank below 2 or in float64,
 variables not in float32, `epsilon` below 1.001e-5 (cuDNN's floor), and subclasses that
 override `call`.
+
+A step compiled by XLA (`jit_compile`) keeps Keras' call for every layer. XLA has no fused
+kernel to call: it expands `FusedBatchNormV3` into its own operations, and computes the
+batch variance there in one pass, as the mean of the squares less the square of the mean.
+In float32 that cancels where a channel's mean is large against its spread (a channel of
+mean 3 and spread 1e-3 gets a negative variance), and the error compounds over the updates.
+Keras' call takes the variance in two passes (the mean of the squared differences), and XLA
+fuses its operations itself.
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -39,7 +49,8 @@ class FusedBatchNorm(Stage):
     """Trains the model's `BatchNormalization` layers through TensorFlow's fused kernel.
 
     No arguments and no state. `layers` (after `build`) lists the layers that take the
-    fused kernel; `not_fused` maps the names of the others to why not.
+    fused kernel in a step not compiled by XLA; `not_fused` maps the names of the others to
+    why not.
     """
 
     option = "fused_batchnorm"
@@ -66,6 +77,8 @@ class FusedBatchNorm(Stage):
                 self.not_fused[layer.name] = reason
 
     def around_forward(self, model):
+        if model.jit_compile:  # resolved when the step is traced: False where fit runs the step without XLA
+            return contextlib.nullcontext()
         return fused_calls(self.layers)
 
 
