@@ -1,6 +1,7 @@
 """The versions keras_boost supports, stated once.
 
     python3 keras_boost/_versions.py default       the TensorFlow scripts/setup.sh installs by default
+    python3 keras_boost/_versions.py tested        the TensorFlow versions the suite runs on, oldest first
     python3 keras_boost/_versions.py check 2.19.1  exit 1, saying why, outside the supported range
 
 `setup.py`, `scripts/setup.sh` (the default TensorFlow), `import keras_boost`,
@@ -77,6 +78,8 @@ if __name__ == "__main__":  # scripts/setup.sh, before any environment exists
 
     if sys.argv[1:] == ["default"]:
         print(DEFAULT_TENSORFLOW)
+    elif sys.argv[1:] == ["tested"]:
+        print(" ".join(TESTED_TENSORFLOW))
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         if tensorflow_problem(sys.argv[2]):
             sys.exit(f"TF_VERSION={sys.argv[2]}: keras_boost supports TensorFlow {TENSORFLOW_RANGE}; set TF_VERSION "
@@ -85,4 +88,4 @@ if __name__ == "__main__":  # scripts/setup.sh, before any environment exists
             print(f"TensorFlow {sys.argv[2]} is in the supported range but the suite runs on "
                   f"{', '.join(TESTED_TENSORFLOW)}")
     else:
-        sys.exit("usage: _versions.py default | check VERSION")
+        sys.exit("usage: _versions.py default | tested | check VERSION")

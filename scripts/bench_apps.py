@@ -1,6 +1,7 @@
 """Epoch and first-step time of keras.applications models: keras.Model against BoostModel levels.
 
     .venv/bin/python scripts/bench_apps.py --model resnet50 --configs keras O0 O1 --rounds 2
+    .venv/bin/python scripts/bench_apps.py --model demo --configs keras O0 O1 --venvs .venv-tf2.18.1 .venv
 
 Every configuration runs in its own process (a fresh TensorFlow, nothing shared), the
 configurations take turns round after round, their order rotated by one per round
@@ -59,6 +60,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -329,21 +331,34 @@ def main():
     parser.add_argument("--np", type=int, default=1,
                         help="workers per configuration (horovodrun --gloo on this machine); keras needs 1")
     parser.add_argument("--raw", default=None, help="append every run's step and epoch times to this JSON-lines file")
+    parser.add_argument("--venvs", nargs="+", default=None, metavar="VENV",
+                        help="run every configuration in each of these environments (e.g. .venv-tf2.18.1 .venv: "
+                        "two TensorFlow versions side by side); a row is then CONFIG@TENSORFLOW")
     parser.add_argument("--worker", type=config_name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     if args.np > 1 and "keras" in args.configs:
         parser.error("--np > 1: a plain keras.Model does not average gradients across workers; compare with O0")
+    pythons = {}  # row name -> (configuration, the Python that runs it)
+    for venv in args.venvs or [None]:
+        python = sys.executable if venv is None else os.path.join(os.path.abspath(venv), "bin", "python")
+        label = "" if venv is None else "@" + subprocess.run(
+            [python, "-c", "import tensorflow as tf; print(tf.__version__)"], capture_output=True, text=True,
+            check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout.strip().splitlines()[-1]
+        for config in args.configs:
+            pythons[config + label] = (config, python)
+    args.configs = list(pythons)
     results = {config: {key: [] for key in ("step", "cpu_step", "epoch", "first_step", "first_epoch", "fit")}
                for config in args.configs}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
 
-    def command(config, round_index):
-        command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--model", args.model,
+    def command(name, round_index):
+        config, python = pythons[name]
+        command = [python, os.path.abspath(__file__), "--worker", config, "--model", args.model,
                    "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
         if args.np > 1:
-            horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+            horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
             command = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", *command]
         return command
 

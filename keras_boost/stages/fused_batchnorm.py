@@ -36,7 +36,6 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import gen_nn_ops
 
 from keras_boost import _keras_compat
 from keras_boost.core.contract import Stage
@@ -133,9 +132,9 @@ def fused_batch_norm(layer, inputs):
     scale = tf.convert_to_tensor(layer.gamma) if layer.scale else tf.ones([channels], tf.float32)
     offset = tf.convert_to_tensor(layer.beta) if layer.center else tf.zeros([channels], tf.float32)
     empty = tf.constant([], tf.float32)
-    y, mean, unbiased, _, _, _ = gen_nn_ops.fused_batch_norm_v3(
-        x, scale, offset, empty, empty, epsilon=layer.epsilon, exponential_avg_factor=1.0,
-        data_format="NHWC", is_training=True)
+    y, mean, unbiased, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=scale, offset=offset, mean=empty, variance=empty, epsilon=layer.epsilon,
+        exponential_avg_factor=1.0, data_format="NHWC", is_training=True)
     # The kernel returns the unbiased variance (n / (n - 1), n > 1); Keras' moving variance averages the biased one.
     n = tf.cast(tf.size(x) // channels, tf.float32)
     variance = unbiased * tf.where(n > 1.0, (n - 1.0) / tf.maximum(n, 1.0), 1.0)
