@@ -1,5 +1,6 @@
 """BoostModel: a keras.Model whose train_step runs the boost step across Horovod workers."""
 
+import contextlib
 import os
 
 import warnings
@@ -356,22 +357,57 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         object.__setattr__(self, "_measuring", SelfMeasurement(stages))
         return self._measuring
 
-    def evaluate(self, *args, verbose="auto", callbacks=None, **kwargs):
+    def evaluate(self, *args, verbose="auto", callbacks=None, across_workers=None, **kwargs):
+        """Keras' `evaluate`; on several workers, whose data the metrics cover depends on the caller.
+
+        In `fit` (validation), every worker's: the metric states of all workers are summed, so
+        that every worker's callbacks see the same `val_` numbers. Called by a script, this
+        worker's own, with no collective, as Horovod's Keras `evaluate` is: rank 0 evaluating
+        alone (`if rank == 0: model.evaluate(...)`, then a barrier, a save or another fit)
+        neither waits for the others nor makes them wait. `across_workers=True`, called on
+        every worker, sums the metric states of all of them (every sample weighs the same
+        when the workers hold different numbers); `CollectiveMismatch` at once where another
+        worker reached a different call that needs every worker.
+        """
         from keras_boost.distributed import dropin
 
+        in_fit = bool(kwargs.get("_use_cached_eval_dataset", False))
+        if across_workers is None:
+            across_workers = in_fit
+        elif not isinstance(across_workers, bool):
+            raise TypeError(f"across_workers must be True, False or None (None: True inside fit's validation, False "
+                            f"otherwise), got {across_workers!r} of type {type(across_workers).__name__}")
+        if across_workers and not in_fit and distributed.size() > 1:
+            distributed.rendezvous("BoostModel.evaluate(across_workers=True)")
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
-        return super().evaluate(*args, verbose=verbose, callbacks=callbacks, **kwargs)
+        with self._metrics_of_this_worker(not across_workers):
+            return super().evaluate(*args, verbose=verbose, callbacks=callbacks, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        """Keras' `test_on_batch`: this worker's own metrics, with no collective (as `evaluate()`)."""
+        with self._metrics_of_this_worker(True):
+            return super().test_on_batch(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _metrics_of_this_worker(self, local):
+        previous = self.__dict__.get("_local_metrics", False)
+        self.__dict__["_local_metrics"] = local
+        try:
+            yield
+        finally:
+            self.__dict__["_local_metrics"] = previous
 
     def get_metrics_result(self):
-        """The metric results, averaged across workers when called between steps.
+        """The metric results, averaged across workers when called between steps (in fit, and in
+        `evaluate(across_workers=True)`); this worker's own in `evaluate()` and `test_on_batch`.
 
-        When the other workers have already finished (the `if rank == 0: model.evaluate(...)`
-        idiom at the end of a script), this worker's own results, with one warning.
+        When the other workers have already finished (`evaluate(across_workers=True)` on one
+        rank at the end of a script), this worker's own results, with one warning.
         """
         from keras_boost.distributed import dropin
 
         results = super().get_metrics_result()
-        if tf.inside_function() or distributed.size() == 1 or not results:
+        if tf.inside_function() or distributed.size() == 1 or not results or self.__dict__.get("_local_metrics"):
             return results
         # The workers' metric states are summed, so every sample weighs the same even when
         # the workers evaluated different numbers of samples (uneven data); once the others

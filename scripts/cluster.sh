@@ -12,5 +12,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
 PY="$VENV/bin/python"; [ -x "$PY" ] || PY=python3
-cd "$ROOT"
-exec "$PY" -m tests.cluster "$@"
+# the caller's folder stays the command's (`run kbh1 -- .venv/bin/keras-boost ...` from the repository)
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m tests.cluster "$@"

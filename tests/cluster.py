@@ -265,16 +265,17 @@ class Cluster:
         """A process in the host's namespaces (its sshd, whose parent shell exec'd it)."""
         return self.pids[host]
 
-    def command(self, host, argv):
-        """`argv` as run inside `host`: its network, hostname and /etc/hosts."""
-        return ["nsenter", "-t", str(self.host_pid(host)), "-n", "-u", "-m", "--", *map(str, argv)]
+    def command(self, host, argv, cwd=None):
+        """`argv` as run inside `host`: its network, hostname and /etc/hosts (in folder `cwd`, else /)."""
+        wd = [f"--wd={cwd}"] if cwd else []
+        return ["nsenter", "-t", str(self.host_pid(host)), "-n", "-u", "-m", *wd, "--", *map(str, argv)]
 
     def run(self, host, argv, timeout=60, env=None, check=False, **kwargs):
         return subprocess.run(self.command(host, argv), env=self.env(env), timeout=timeout, text=True,
                               capture_output=True, check=check, **kwargs)
 
-    def popen(self, host, argv, env=None, **kwargs):
-        return subprocess.Popen(self.command(host, argv), env=self.env(env), text=True, **kwargs)
+    def popen(self, host, argv, env=None, cwd=None, **kwargs):
+        return subprocess.Popen(self.command(host, argv, cwd), env=self.env(env), text=True, **kwargs)
 
     def wait_ssh(self, host, timeout=20):
         """Waits until `host`'s sshd takes a login (from host 1's namespace)."""
@@ -444,7 +445,7 @@ def main(argv=None):
         return 0
     cluster = Cluster.load(args.prefix)
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    proc = cluster.popen(args.host, argv or ["bash"])
+    proc = cluster.popen(args.host, argv or ["bash"], cwd=os.getcwd())  # relative paths as the caller wrote them
     return proc.wait()
 
 

@@ -208,6 +208,7 @@ SHARED = {
         ("horovod_example", "horovod_example", []),
         ("batchnorm_stats", "batchnorm_stats", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
+        ("idioms", "idioms", ["{tmp}"]),
         ("mismatch", "mismatch", []),
         ("dropin_files", "dropin", ["files", "{tmp}/files"]),
         ("dropin_same_data", "dropin", ["same_data"]),
@@ -221,7 +222,9 @@ SHARED = {
         ("freeze_training", "freeze_training", []),
         ("dropin_custom_step", "dropin", ["custom_step"]),
         ("adasum_combine", "adasum_combine", [2]),
+        ("horovod_example", "horovod_example", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
+        ("idioms", "idioms", ["{tmp}"]),
         ("dropin_rank0", "dropin", ["rank0", "{tmp}"]),
     ]),
     "gloo4": dict(np=4, controller="gloo", timeout=420, slots=[2, 2], scenarios=[
@@ -300,6 +303,14 @@ def shared_hosts(launch):
     """The `-H` hosts the shared launch `launch` ran on (after `shared(...)`), None on this machine alone."""
     return _SHARED_RUNS[(launch, None) if (launch, None) in _SHARED_RUNS else
                         next(key for key in _SHARED_RUNS if key[0] == launch)][0].hosts
+
+
+def shared_output(launch, scenario):
+    """The launch's output lines from `scenario`'s start to its end on every rank (after `shared(...)`)."""
+    lines = _SHARED_RUNS[(launch, scenario if SEPARATE else None)][0].stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if f"scenarios: {scenario} starts" in line]
+    ends = [i for i, line in enumerate(lines) if f"scenarios: {scenario} ends" in line]
+    return lines[min(starts):max(ends) + 1]
 
 
 def shared_dir(launch, scenario):

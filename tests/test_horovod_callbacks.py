@@ -7,7 +7,7 @@ import pytest
 
 from keras_boost import BoostModel, callbacks
 from tests.helpers import LearningRates
-from tests.launch import shared
+from tests.launch import shared, shared_output
 
 BATCH, STEPS, EPOCHS, WARMUP_EPOCHS = 8, 4, 3, 2
 LR, MOMENTUM, START = 0.05, 0.9, 0.25
@@ -69,8 +69,9 @@ def test_warmup_arguments_are_horovods():
         callbacks.LearningRateWarmupCallback(0.1, 3, False, 10, 1, 0.5)  # start_factor is keyword only
 
 
-def test_horovods_mnist_example_ported_to_keras_3_on_two_workers():
-    found = shared("gloo", "horovod_example")
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovods_mnist_example_ported_to_keras_3_on_two_workers(controller):
+    found = shared(controller, "horovod_example")
     r0, r1 = found[0], found[1]
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
     assert r0["digest"] == r1["digest"]  # bit-identical weights on both ranks
@@ -107,3 +108,17 @@ def test_batchnorm_statistics_are_averaged_at_each_epochs_end():
         np.testing.assert_array_equal(averaged[0], averaged[1])  # the same model on every rank
         np.testing.assert_allclose(averaged[0], (local[0] + local[1]) / 2, rtol=1e-6)  # their mean
     assert r0["default"] == r1["default"]  # BoostModel.fit averages them by itself
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_the_examples_verbose_1_prints_whole_readable_lines_under_horovodrun(controller):
+    """verbose=1 on rank 0, as Horovod's example passes it: whole lines (Keras' bar redrew one line of 60,000
+    characters an epoch, under MPI with the rank prefix glued into its middle), from rank 0 alone."""
+    shared(controller, "horovod_example")
+    lines = shared_output(controller, "horovod_example")
+    assert max(len(line) for line in lines) <= 200, max(lines, key=len)
+    assert not any("\r" in line or "\b" in line for line in lines)
+    progress = [line for line in lines if "Epoch " in line and "loss: " in line]
+    epochs = [line for line in progress if "ms/step" in line]
+    assert len(epochs) == 4, progress  # one closing line per epoch, from rank 0 alone
+    assert all(("[0]" in line or "[1,0]" in line) for line in epochs), epochs

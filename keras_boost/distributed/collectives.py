@@ -2,7 +2,8 @@
 
 Averages and sums (`grouped_allreduce`, `allreduce_each`, `allreduce`, bfloat16 through
 an allgather), `reducescatter`, native `adasum_allreduce`, gathers, broadcasts, process
-sets and `barrier`; in a single process each returns its input. Also the collective
+sets, and the `rendezvous` behind `barrier`, fit's start and evaluate across workers; in a
+single process each returns its input. Also the collective
 counter that tests read (`count_collectives`, `allreduce_count`).
 """
 
@@ -242,8 +243,52 @@ def add_process_set(ranks):
     return registered
 
 
-def barrier():
-    """Returns once every worker has called it (eager)."""
+class CollectiveMismatch(RuntimeError):
+    """The workers reached different calls that each need every worker (one would wait for ever)."""
+
+
+# One name for every rendezvous: workers at different calls pair up here and find out.
+_RENDEZVOUS = "keras_boost.rendezvous"
+# What a rank may run while the others do something else: no collective in any of them.
+_ALONE = "evaluate() (that worker's own metrics), predict(), save(), save_weights()"
+
+
+def rendezvous(call, payload=None):
+    """Every worker's `payload`, in rank order, once every worker has called `rendezvous` (eager).
+
+    `call` names what the caller is about to do together with the others ("distributed.barrier()",
+    "BoostModel.fit", ...). All of keras_boost's calls that need every worker outside the
+    compiled step meet here under one name, so workers that reached different ones still pair
+    up: each then raises `CollectiveMismatch` at once, naming what every rank called, instead
+    of waiting in a collective that the others will not join.
+    """
     hvd = _hvd()
-    if hvd is not None:
-        hvd.allreduce(tf.constant(0.0), name=_name("barrier")).numpy()
+    if hvd is None:
+        return [payload]
+    try:
+        gathered = list(hvd.allgather_object((call, payload), name=_RENDEZVOUS))
+    except Exception as error:  # noqa: BLE001 - Horovod's errors have no common base
+        if "shut down" not in str(error):
+            raise
+        raise RuntimeError(
+            f"rank {hvd.rank()}: {call} needs every worker, but the other workers have finished (Horovod is shut "
+            "down): every rank must reach it, or none") from error
+    calls = [entry[0] for entry in gathered]
+    if len(set(calls)) > 1:
+        ranks = {}
+        for rank, name in enumerate(calls):
+            ranks.setdefault(name, []).append(rank)
+        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} called {name}"
+                         for name, r in ranks.items())
+        raise CollectiveMismatch(
+            f"rank {hvd.rank()}: the workers reached different calls that each need every worker ({said}), so each "
+            f"would wait for the others for ever. Call {' and '.join(ranks)} on every rank at the same point of the "
+            f"script, not inside a block that some ranks skip (such as `if rank == 0:`); what one rank may run "
+            f"alone: {_ALONE}")
+    return [entry[1] for entry in gathered]
+
+
+def barrier():
+    """Returns once every worker has called it (eager); `CollectiveMismatch` at once where another worker
+    reached a different call that needs every worker (such as `BoostModel.fit`)."""
+    rendezvous("distributed.barrier()")

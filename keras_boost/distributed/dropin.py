@@ -6,13 +6,18 @@
   through.
 - No XLA around collectives: Horovod's ops have no XLA kernels, so the train function of
   a multi-worker run is compiled without XLA (one warning); evaluate and predict keep it.
-- Rank-0-only evaluate: in the Horovod idiom `if rank == 0: model.evaluate(...)` at the
-  end of a script the other workers exit and Horovod shuts down; the metric average then
-  falls back to rank 0's own results (one warning) instead of ending the job. predict and
-  save run no collective at all.
-- Logs: one line per epoch under a launcher whose output is not a terminal, and the
-  boost scalars are kept out of the progress bar (they stay in the logs, the History
-  and TensorBoard).
+- Work on one rank alone: `evaluate()` called by a script gives the worker's own metrics
+  and runs no collective (as Horovod's Keras `evaluate`), so `if rank == 0:
+  model.evaluate(...); model.save(...)` and then a barrier, a broadcast or another fit ends
+  by itself; predict and save run no collective at all. `evaluate(across_workers=True)`,
+  fit's start and `distributed.barrier()` meet in one rendezvous: workers that reached
+  different ones raise `CollectiveMismatch` at once, naming what each rank called.
+- Logs: `verbose="auto"` is one line per epoch under a launcher; `verbose=1` there (or
+  with the output going to a file or a pipe) prints whole progress lines, at most one every
+  10 seconds and never over 160 characters (a launcher's prefix fits beside them), instead
+  of a bar that redraws itself
+  (`LineProgressLogger`); the boost scalars are kept out of both (they stay in the logs,
+  the History and TensorBoard).
 - Files: a script written for one machine writes the same paths on every worker. On
   several workers `BoostModel.save` and `save_weights` write each file whole (a file of
   their own, then renamed into place), so workers saving one path on a shared file system
@@ -279,6 +284,119 @@ class BoostProgbarLogger(keras.callbacks.ProgbarLogger):
         super().on_test_end(self._shown(logs))
 
 
+class LineProgressLogger(keras.callbacks.Callback):
+    """`verbose=1` as whole lines, for a log that a launcher or a file keeps rather than a terminal.
+
+    Keras' progress bar redraws one line with carriage returns and backspaces, which a log
+    keeps as one line of every redraw (60,000 characters an epoch under horovodrun). This
+    prints a whole line at most every `interval` seconds while an epoch (or an `evaluate`,
+    or a `predict`) runs, and one at its end: the batch, the time, the metrics, never over
+    `width` characters (the metrics that do not fit are left out of the progress lines; the
+    epoch's last line drops what it must and says how many).
+    """
+
+    def __init__(self, hidden=(), interval=10.0, width=160, clock=None, write=None):
+        super().__init__()
+        self.hidden, self.interval, self.width = set(hidden), float(interval), int(width)
+        import time
+
+        self._clock = clock or time.monotonic
+        self._write = write or (lambda line: print(line, flush=True))
+        self._in_fit = False
+        self._start = self._last = 0.0
+
+    def _metrics(self, logs):
+        parts = []
+        for name, value in (logs or {}).items():
+            if name in self.hidden:
+                continue
+            try:
+                parts.append(f"{name}: {float(value):.4g}")
+            except (TypeError, ValueError):
+                continue
+        return parts
+
+    def _line(self, head, logs):
+        parts = self._metrics(logs)
+        line = head + "".join(f" - {p}" for p in parts)
+        dropped = 0
+        while len(line) > self.width and parts:
+            parts.pop()
+            dropped += 1
+            line = head + "".join(f" - {p}" for p in parts) + f" (+{dropped} more)"
+        return line[:self.width]
+
+    def _begin(self):
+        self._start = self._last = self._clock()
+
+    def _progress(self, what, batch, total, logs):
+        now = self._clock()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        steps = f"{batch + 1}/{total}" if total else f"{batch + 1}"
+        self._write(self._line(f"{what} {steps} - {now - self._start:.0f}s", logs))
+
+    def _end(self, what, total, logs):
+        seconds = self._clock() - self._start
+        head = f"{what} {total}/{total} - {seconds:.0f}s" if total else f"{what} - {seconds:.0f}s"
+        if total:
+            head += f" - {1000 * seconds / total:.0f}ms/step"
+        self._write(self._line(head, logs))
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = f"Epoch {epoch + 1}/{self.params.get('epochs', 1)}"
+        self._seen = 0
+        self._begin()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen = batch + 1
+        self._progress(self._epoch, batch, self.params.get("steps"), logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end(self._epoch, self.params.get("steps") or self._seen, logs)
+
+    def on_test_begin(self, logs=None):
+        if not self._in_fit:
+            self._seen = 0
+            self._begin()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._in_fit:
+            self._seen = batch + 1
+            self._progress("Evaluate", batch, self.params.get("steps"), logs)
+
+    def on_test_end(self, logs=None):
+        if not self._in_fit:
+            self._end("Evaluate", self.params.get("steps") or self._seen, logs)
+
+    def on_predict_begin(self, logs=None):
+        self._seen = 0
+        self._begin()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._seen = batch + 1
+        self._progress("Predict", batch, self.params.get("steps"), None)
+
+    def on_predict_end(self, logs=None):
+        self._end("Predict", self.params.get("steps") or self._seen, None)
+
+
+def _writes_to_a_terminal():
+    import sys
+
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def launcher_verbose(verbose):
     """'auto' is one line per epoch (2) under any launcher; an explicit verbose=1 keeps the bar.
 
@@ -302,7 +420,10 @@ def progress_callbacks(model, callbacks, verbose):
     callbacks = list(callbacks or [])
     if verbose == 0 or any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
         return callbacks, verbose
-    callbacks.append(BoostProgbarLogger(verbose, hidden))
+    if verbose in (1, True) and (distributed.launched() or not _writes_to_a_terminal()):
+        callbacks.append(LineProgressLogger(hidden))  # a launcher's pty or pipe, a file: whole lines
+    else:
+        callbacks.append(BoostProgbarLogger(verbose, hidden))
     return callbacks, 0
 
 

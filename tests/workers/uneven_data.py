@@ -106,7 +106,7 @@ def run(modes="numpy,dataset,pydataset"):
             else:
                 raise ValueError(mode)
         seconds = time.monotonic() - start
-        evaluation = model.evaluate(val[0], val[1], batch_size=8, verbose=0, return_dict=True)
+        evaluation = model.evaluate(val[0], val[1], batch_size=8, verbose=0, return_dict=True, across_workers=True)
         digest = hashlib.sha256(b"".join(w.tobytes() for w in weights(model))).hexdigest()
         out[mode] = {
             "digest": digest, "iterations": int(model.optimizer.iterations.numpy()),
