@@ -128,7 +128,29 @@ def test_bad_config_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"grad_freeze": {"freeze_pp": 1}}))
     result = keras_boost("train", "--dataset", "synthetic", "--config", str(path), timeout=120)
-    assert result.returncode != 0 and "freeze_pp" in result.stderr
+    assert result.returncode == 2 and "freeze_pp" in result.stderr
+    assert "Traceback" not in result.stderr  # a usage error, not a traceback
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"boost": {"less_bn": "yes"}}', "`boost_config['boost']['less_bn']` must be a bool (True or False), got 'yes'"),
+    ('{"boost": ', "is not valid JSON"),
+    ("[1, 2]", "boost_config must be a dict"),
+    (None, "cannot read"),
+])
+@pytest.mark.parametrize("command", [["train", "--np", "2"], ["bench", "--levels", "O0", "O1"]])
+def test_a_bad_config_file_is_a_usage_error_before_anything_is_launched(tmp_path, capsys, content, message, command):
+    from keras_boost.app import cli
+
+    path = tmp_path / "c.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*command, "--config", str(path)])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert f"keras-boost {command[0]}: error: argument --config: " in captured.err and message in captured.err
+    assert "launching" not in captured.out
 
 
 def test_bench_summary_takes_medians_over_runs_and_the_target_from_the_first_level():

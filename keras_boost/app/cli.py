@@ -135,6 +135,26 @@ def _resolve_hosts(parser, args):
             getattr(parser, "subcommands", {}).get(args.command, parser).error(f"argument --np: {error}")
 
 
+def _check_config(parser, args):
+    """A --config file is read and validated here, before anything is launched: a usage error names it."""
+    if not getattr(args, "config", None):
+        return
+    from keras_boost.config import read_config
+    from keras_boost.mindspore.auto_boost import AutoBoost
+
+    try:
+        config = read_config(args.config)
+        for level in getattr(args, "levels", None) or [getattr(args, "level", "O0")]:
+            AutoBoost(level, config)
+    except OSError as error:
+        problem = f"cannot read {args.config!r}: {error.strerror or error}"
+    except (ValueError, TypeError) as error:
+        problem = f"{args.config!r}: {error}"
+    else:
+        return
+    getattr(parser, "subcommands", {}).get(args.command, parser).error(f"argument --config: {problem}")
+
+
 def _launch_target(args):
     return {"hosts": args.hosts, "network_interface": args.network_interface, "start_timeout": args.start_timeout}
 
@@ -272,6 +292,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     _resolve_hosts(parser, args)
+    _check_config(parser, args)
     commands = {"info": lambda: _info(args), "train": lambda: _train(args, argv), "bench": lambda: _bench(args, argv)}
     return commands[args.command]()
 
