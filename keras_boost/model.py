@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import sys
 
 import warnings
 
@@ -297,13 +298,11 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs, callbacks))
                 return super().fit(callbacks=callbacks, verbose=verbose, **kwargs)
             except tf.errors.OpError as error:
-                if "Horovod has been shut down" not in str(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
+                if not _abandoned(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
                     raise
-                raise RuntimeError(
-                    f"rank {distributed.rank()} of {distributed.size()}: a collective of fit was abandoned because "
-                    "Horovod shut down: another worker died or raised (its error is above), or stopped calling "
-                    f"collectives for longer than stall_timeout={distributed.stall_timeout():g} s (rank 0's Horovod "
-                    "stall warning above names the missing ranks and tensors)") from error
+                lines = watchdog.abandoned_lines(distributed.rank(), distributed.size(), guard.seconds_still())
+                print("\n".join(lines), file=sys.stderr, flush=True)
+                raise RuntimeError(lines[0]) from error
             finally:
                 guard.stop()
                 together = self.__dict__.pop("_stop_together", None)
@@ -423,6 +422,13 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     def extra_log_keys(self):
         # The step's logs carry boost scalars besides the metrics (see BoostLogsMixin).
         return set(self.boost_step.logs()) if self.boost_step is not None and self.boost_step.built else set()
+
+
+def _abandoned(error):
+    """Whether a collective failed because the job came apart (Horovod shut down, Gloo's peer gone)."""
+    text = str(error)
+    return any(mark in text for mark in ("Horovod has been shut down", "Timed out waiting", "Connection closed by peer",
+                                         "Connection reset by peer"))
 
 
 def _rewritten_graph(auto_boost, args, kwargs):

@@ -212,3 +212,21 @@ def test_a_launcher_still_waiting_after_a_worker_ended_the_job_is_ended(tmp_path
         time.sleep(0.1)
     else:
         raise AssertionError(f"the launcher's child {child} still runs")
+
+
+def test_a_failed_job_ends_with_the_lost_ranks_and_the_command_to_relaunch(capfd):
+    from keras_boost.app import launch
+
+    script = ("import sys\n"
+              "print('[0]<stderr>:keras_boost: lost: rank 0 of 2 on hostA: a collective of fit was abandoned: '\n"
+              "      'nothing heard from rank 1 on hostB (last heard 31 s ago)', file=sys.stderr)\n"
+              "print('Traceback (most recent call last): horovodrun', file=sys.stderr)\n"
+              "sys.exit(1)\n")
+    status = launch.run_launcher([sys.executable, "-c", script], relaunch="keras-boost train --hosts hostA:1,hostB:1")
+    assert status == 1
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines[-3:] == [
+        "keras-boost: the job ended with status 1.",
+        "keras_boost: lost: rank 0 of 2 on hostA: a collective of fit was abandoned: nothing heard from rank 1 on "
+        "hostB (last heard 31 s ago)",
+        "keras-boost: to go on, relaunch: keras-boost train --hosts hostA:1,hostB:1"]

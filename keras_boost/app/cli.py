@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shlex
 import sys
 
 from keras_boost.app import launch, preflight
@@ -168,7 +169,7 @@ def _relaunch(args, argv):
         print("keras-boost: --np > 1 needs horovodrun (run ./scripts/setup.sh)", file=sys.stderr)
         return 2
     print("launching: " + " ".join(cmd), flush=True)
-    return launch.run_launcher(cmd)
+    return launch.run_launcher(cmd, relaunch=" ".join(["keras-boost", *map(shlex.quote, argv)]))
 
 
 def _train(args, argv):

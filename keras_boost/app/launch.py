@@ -177,14 +177,16 @@ LAUNCHER_GRACE = 60.0
 _ENDING = ("keras_boost: stall: rank ", "abort is already in progress")
 
 
-def run_launcher(command, grace=None, echo=True):
+def run_launcher(command, grace=None, echo=True, relaunch=None):
     """Runs `command` (horovodrun) and returns its exit status; its output passes through.
 
     Once a line of its output says that a worker is ending the job (keras_boost's stall
     watchdog, Open MPI's abort), the launcher gets `grace` seconds (`LAUNCHER_GRACE`) to
     end by itself; after that its whole process group (mpirun, ssh, local workers) gets
     SIGTERM, then SIGKILL 5 s later, a line says why, and the status is the watchdog's 75.
-    Ctrl-C and SIGTERM sent to this process are passed on to the group.
+    Ctrl-C and SIGTERM sent to this process are passed on to the group. A job that fails
+    ends with a summary, after horovodrun's own traceback: the workers' lines that name a
+    lost rank and its host, and `relaunch` (the command to run again) when given.
     """
     import signal
     import subprocess
@@ -197,10 +199,18 @@ def run_launcher(command, grace=None, echo=True):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     ending = {}
 
+    from keras_boost.distributed.watchdog import LOST_MARK
+
+    named = []  # the workers' lines that name a lost rank, for the summary
+
     def forward(source, target):
         for line in iter(source.readline, b""):
             if "at" not in ending and any(mark.encode() in line for mark in _ENDING):
                 ending["at"] = time.monotonic()
+            text = line.decode(errors="replace").rstrip()
+            for mark in (LOST_MARK, "keras_boost: stall: nothing heard from"):
+                if mark in text and text[text.index(mark):] not in named:
+                    named.append(text[text.index(mark):])
             if echo:
                 target.write(line)
                 target.flush()
@@ -242,6 +252,11 @@ def run_launcher(command, grace=None, echo=True):
             signal.signal(signum, handler)
     for reader in readers:
         reader.join(timeout=5)
+    if status != 0:
+        summary = [f"keras-boost: the job ended with status {status}."] + named
+        if relaunch:
+            summary.append(f"keras-boost: to go on, relaunch: {relaunch}")
+        print("\n".join(summary), file=sys.stderr, flush=True)
     return status
 
 

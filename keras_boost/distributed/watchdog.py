@@ -156,6 +156,10 @@ class StallWatchdog(keras.callbacks.Callback):
         if self._progress is not None:
             self._progress.set(where, step_started)
 
+    def seconds_still(self):
+        """Seconds since this worker's position last changed (None when not watching)."""
+        return None if self._progress is None else time.monotonic() - self._progress.read()[2]
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._set(f"at the start of epoch {epoch}")
@@ -274,3 +278,50 @@ def _others(store, rank, size, silent_after=30.0):
         lines.append(f"keras_boost: stall: every rank is at the same step: one of them is stuck inside it (input "
                      "pipeline or a collective); see the positions above.")
     return lines
+
+
+# Every line that names a lost rank starts so; `keras-boost`'s launcher repeats them at its end.
+LOST_MARK = "keras_boost: lost: "
+
+
+def abandoned_lines(rank, size, waited=None):
+    """What a worker says when a collective of its fit was abandoned (Horovod shut down, Gloo timed out).
+
+    Under Gloo every worker's watchdog republishes its position in the launcher's key-value
+    store every few seconds, so the ranks not heard of for a while are named with their hosts
+    and how long ago they were last heard of; a worker that cannot reach the store itself is
+    the one whose host lost its link. Under MPI there is no such store: the lines say so.
+    """
+    host = socket.gethostname()
+    store = _KeyValueStore()
+    waited_text = f" after waiting {waited:.0f} s" if waited is not None else ""
+    head = f"{LOST_MARK}rank {rank} of {size} on {host}: a collective of fit was abandoned{waited_text}"
+    relaunch = ("Check that host (`keras-boost info --hosts ...`), then relaunch the same command: a "
+                "BackupAndRestore callback resumes from its last backup, `keras-boost train --checkpoint-dir` "
+                "from its last checkpoint.")
+    if not store.available:
+        return [f"{head}: another worker died, raised (its error is above) or lost its host's link. Under this "
+                "launcher the workers' positions are not known: a rank that printed nothing like this line is the "
+                "one that stopped. " + relaunch]
+    beat = heartbeat_seconds(distributed.stall_timeout() or 60.0)
+    now, table = time.time(), {}
+    try:
+        table[rank] = json.loads(store.get(f"rank{rank}"))
+    except Exception:  # noqa: BLE001 - this worker cannot reach the launcher's store: its own host is cut off
+        return [f"{head}: this worker cannot reach the launcher at {store.addr}: {host} lost its network link "
+                "(or the launcher's host died). " + relaunch]
+    for other in range(size):
+        if other != rank:
+            try:
+                table[other] = json.loads(store.get(f"rank{other}"))
+            except Exception:  # noqa: BLE001
+                table[other] = None
+    silent = [r for r, entry in table.items()
+              if r != rank and (entry is None or now - entry["time"] > 2 * beat + _KeyValueStore.TIMEOUT)]
+    if not silent:
+        return [f"{head}: every other rank was heard from in the last {2 * beat:.0f} s, so none lost its link; "
+                "another worker raised (its error is above) or ended its script. " + relaunch]
+    named = ", ".join(f"rank {r} on {table[r]['host']} (last heard {now - table[r]['time']:.0f} s ago)"
+                      if table[r] else f"rank {r} (never heard from)" for r in silent)
+    return [f"{head}: nothing heard from {named}: that host lost its network link, or the process or the host "
+            "died. " + relaunch]
