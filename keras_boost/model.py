@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost import _keras_compat, distributed
+from keras_boost import distributed, _keras_compat, _warnings
 from keras_boost._keras_compat import Functional, Trainer, functional_init_arguments
 from keras_boost._validation import alias
 from keras_boost.config import BoostConfig
@@ -442,11 +442,12 @@ def _rewritten_graph(auto_boost, args, kwargs):
     outputs = kwargs.pop("outputs") if "outputs" in kwargs else args[1]
     with warnings.catch_warnings(record=True) as caught:  # LessBN's warnings, shown at the user's BoostModel(...)
         warnings.simplefilter("always")
-        rewritten = LessBN(keras.Model(inputs, outputs), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
+        # named as the user will know it (its warnings name the model), not Keras' 'functional_4'
+        rewritten = LessBN(keras.Model(inputs, outputs, name=kwargs.get("name") or "BoostModel"), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
                            fn_needs_removal=auto_boost.measured("less_bn"), share_layers=True,
                            fn_outputs="classifiers" if auto_boost.measured("less_bn") else "all")
     for caught_warning in caught:
-        warnings.warn(caught_warning.message, caught_warning.category, stacklevel=3)
+        _warnings.warn(caught_warning.message, caught_warning.category)
     inputs, outputs = _keras_compat.functional_structure(rewritten)  # the user's dict or list, not flattened
     return (inputs, outputs, *args[2:]), kwargs, rewritten
 
@@ -493,14 +494,14 @@ def _check_fn_head_losses(model, loss):
         else:
             given = loss
         if _loss_name(given) in _REGRESSION_LOSSES:
-            warnings.warn(
+            _warnings.warn(
                 f"loss={_loss_name(given)!r} on output {model.output_names[index]!r}: boost level "
                 f"{getattr(model.auto_boost, 'level', 'O1/O2')!r} replaced its Dense layer '{head}' by an FN head (LessBN's fn_flag, a "
                 "cosine-similarity classifier whose outputs stay within ±its multiplier), which fits a regression "
                 "worse than the Dense. If this output is a regression, build the BoostModel without LessBN (BatchNorms "
                 "kept, no FN head): BoostModel(inputs, outputs, boost_level=..., "
                 "boost_config={'boost': {'mode': 'manual', 'less_bn': False}}).",
-                UserWarning, stacklevel=3)
+                UserWarning)
 
 
 _FUNCTIONAL_VARIANTS = {}

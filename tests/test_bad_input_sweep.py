@@ -152,3 +152,24 @@ def test_autoboost_accepts_documented_values(level, mode, freeze_p, total_steps,
     assert auto.params["grad_freeze"] == {**DEFAULTS["grad_freeze"], **config["grad_freeze"]}
     assert auto.params["grad_accumulation"]["grad_accumulation_step"] == accumulation
     json.dumps(auto.get_config())
+
+
+def test_every_compile_option_refuses_a_bad_value_in_one_style():
+    """`<option>` must be <the whole allowed set>, got <value> (<type>). -- the option named as the user wrote it."""
+    import keras
+
+    import keras_boost
+    from keras_boost.step import registry
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(inputs)
+    for option in registry.options():
+        if option in ("optimizer_update",):  # the default update stage: no compile keyword of its own
+            continue
+        model = keras_boost.BoostModel(inputs, outputs)
+        with pytest.raises((TypeError, ValueError)) as raised:
+            model.compile(optimizer="sgd", loss="mse", **{option: object()})
+        message = str(raised.value)
+        assert message.startswith(f"`{option}` must be "), (option, message)
+        assert ", got <object" in message and message.rstrip(".").endswith("(object)"), (option, message)
+        assert " a AdaSum" not in message and " a Adasum" not in message

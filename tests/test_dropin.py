@@ -165,7 +165,7 @@ def test_compile_gradient_centralization_all_selects_every_kernel():
     assert model.boost_step.centralization.min_channels_multiple == 1
     default = compile_sgd(mlp(seed=2), gradient_centralization=True)
     assert default.boost_step.centralization.min_channels_multiple == 16
-    with pytest.raises(ValueError, match="`gradient_centralization` must be a bool, 'mindspore', 'all'"):
+    with pytest.raises(ValueError, match="`gradient_centralization` must be None, a bool, 'mindspore', 'all'"):
         compile_sgd(mlp(seed=2), gradient_centralization="every")
 
 

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import keras
-import numpy as np
 import pytest
 
 from tests.launch import run_ok, shared, shared_dir

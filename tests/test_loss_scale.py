@@ -158,7 +158,7 @@ def test_bad_fixed_scale_and_compile_option():
         FixedLossScale(0.0)
     with pytest.raises(TypeError, match="`drop_overflow_update` must be a bool"):
         FixedLossScale(2.0, drop_overflow_update="yes")
-    with pytest.raises(ValueError, match="loss_scale must be None, 'auto', False, 'dynamic'"):
+    with pytest.raises(ValueError, match="`loss_scale` must be None, 'auto', False, 'dynamic'"):
         compile_sgd(mlp(), loss_scale="static")
 
 

@@ -226,9 +226,18 @@ class Stage:
             return value
         if value is True and cls.on_with_true:
             return cls()
-        allowed = "a bool" if cls.on_with_true else "None"
-        raise TypeError(f"`{cls.option}` must be {allowed} or a {cls.__name__}, got {value!r} "
-                        f"({type(value).__name__}).")
+        raise cls.bad_option(value)
+
+    # What `compile(<option>=...)` takes besides a stage of the class, in words (for `bad_option`).
+    option_values = None
+
+    @classmethod
+    def bad_option(cls, value, error=TypeError):
+        """The error for `compile(<option>=value)`: the option, the value and the whole allowed set, in one style."""
+        allowed = cls.option_values or ("None, a bool" if cls.on_with_true else "None, False")
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        return error(f"`{cls.option}` must be {allowed} or {article} {cls.__name__}, got {value!r} "
+                     f"({type(value).__name__}).")
 
     @classmethod
     def from_level(cls, boost_config, validate=False):

@@ -32,13 +32,12 @@ import contextlib
 import logging
 import os
 import socket
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost import distributed
+from keras_boost import distributed, _warnings
 
 logger = logging.getLogger("keras_boost")
 
@@ -98,11 +97,10 @@ def without_jit_for_collectives(model):
     if distributed.size() > 1 and not model.run_eagerly and model.jit_compile:
         if not _JIT_WARNED:
             _JIT_WARNED.append(True)
-            warnings.warn(
+            _warnings.warn(
                 f"jit_compile is on, but on {distributed.size()} workers the train step runs Horovod "
                 "collectives, which XLA cannot compile: the train step runs without XLA (evaluate and "
                 "predict keep it). compile(jit_compile=False) silences this warning.",
-                stacklevel=4,
             )
         saved = model.jit_compile  # resolved; the public setter takes it back unchanged
         model.jit_compile = False
@@ -130,8 +128,8 @@ def alone_results(results, error):
         raise error
     if not _ALONE_WARNED:
         _ALONE_WARNED.append(True)
-        warnings.warn("the other workers have finished (Horovod is shut down): these metrics are this "
-                      f"worker's own (rank {distributed.rank()}), not averaged", stacklevel=3)
+        _warnings.warn("the other workers have finished (Horovod is shut down): these metrics are this "
+                       f"worker's own (rank {distributed.rank()}), not averaged")
     return {n: float(np.asarray(keras.ops.convert_to_numpy(v))) if np.ndim(v) == 0 else v
             for n, v in results.items()}
 

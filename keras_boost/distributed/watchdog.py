@@ -275,7 +275,7 @@ def _others(store, rank, size, silent_after=30.0):
     if behind and len(behind) < size:
         lines.append(f"keras_boost: stall: rank(s) {behind} stopped calling collectives; the others wait for them.")
     else:
-        lines.append(f"keras_boost: stall: every rank is at the same step: one of them is stuck inside it (input "
+        lines.append("keras_boost: stall: every rank is at the same step: one of them is stuck inside it (input "
                      "pipeline or a collective); see the positions above.")
     return lines
 

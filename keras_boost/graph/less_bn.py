@@ -58,11 +58,11 @@ import dataclasses
 import inspect
 import math
 import logging
-import warnings
 
 import keras
 import numpy as np
 
+from keras_boost import _warnings
 from keras_boost._keras_compat import Functional, inbound_node
 from keras_boost.graph.layers import FNHead
 
@@ -200,30 +200,29 @@ def LessBN(model, fn_flag=False, fn_needs_removal=False, share_layers=False,  # 
     result.less_bn_report = _report(graph, removed_nodes, removed_layers, heads, held, others)
     _LOG.info("%s: %s", model.name, result.less_bn_report.summary())
     if others and "output" in held.values():
-        warnings.warn(
+        _warnings.warn(
             f"LessBN kept every BatchNormalization layer of model '{model.name}': its output(s) "
             f"{', '.join(repr(name) for name in others)} come from no classifier Dense (a Dense with two or more units, "
             "or with a softmax or sigmoid) for the FN head, which makes up for removed BatchNorms (on a two-headed "
             "model a Dense(1) regression's loss was 6x plain Keras' with them removed); a boost level then leaves its "
             "gradient centralization off too. To remove them anyway (MindSpore's LessBN, an FN head on every Dense "
-            "output), give the level's less_bn section: boost_config={'less_bn': {'fn_flag': True}}.", stacklevel=2)
+            "output), give the level's less_bn section: boost_config={'less_bn': {'fn_flag': True}}.")
         return result
     if any(why in _HELD_WHY for why in held.values()):
         reasons = sorted({why for why in held.values() if why in _HELD_WHY})
-        warnings.warn(
+        _warnings.warn(
             f"LessBN kept {len(held)} BatchNormalization layers of model '{model.name}' that its rules would remove, "
             f"because they hold what they learnt ({' and '.join(_HELD_WHY[r] for r in reasons)}): without them the "
             f"network would compute something else. First ones: {', '.join(list(held)[:4])}. LessBN is for "
-            "training from scratch: apply it (or the boost level) to a model whose BatchNorms are new.",
-            stacklevel=2)
+            "training from scratch: apply it (or the boost level) to a model whose BatchNorms are new.")
     if not removed_layers:
         unchanged = ("the result is a copy of the same graph" if not heads else
                      "the result is a copy of the same graph with an FN head")
         if fn_flag and fn_needs_removal:
             unchanged += (", without an FN head, and a boost level leaves its gradient centralization off: both "
                           "make up for removed BatchNorms")
-        warnings.warn(f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; {unchanged}."
-                      f"{_nested_hint(model)}", stacklevel=2)
+        _warnings.warn(f"LessBN found no BatchNormalization layer to remove in model '{model.name}'; {unchanged}."
+                       f"{_nested_hint(model)}")
     return result
 
 

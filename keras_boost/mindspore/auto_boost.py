@@ -5,10 +5,10 @@ The levels, modes and configuration schema are `keras_boost.config.BoostConfig`;
 boost_level=..., boost_config=...)` uses the same configuration without this module.
 """
 
-import warnings
 
 import keras
 
+from keras_boost import _warnings
 from keras_boost.mindspore.params import OptimizerProcess
 from keras_boost.config import DEFAULTS, FEATURES, LEVELS, MODES, BoostConfig, read_config  # noqa: F401
 from keras_boost.graph.less_bn import LessBN, has_dense_head, keep_output_names
@@ -89,10 +89,10 @@ class AutoBoost(BoostConfig):
         if processed is not None:
             return processed
         if self.features["less_bn"] and getattr(model, "less_bn_report", None) is None:
-            warnings.warn(f"network_auto_process_eval: {model.name!r} was not processed by this AutoBoost's "
-                          "network_auto_process_train, so its LessBN copy has its own weights (those of "
-                          f"{model.name!r} now), not trained ones; pass the model given to or returned by "
-                          "network_auto_process_train to evaluate the trained weights", UserWarning, stacklevel=2)
+            _warnings.warn(f"network_auto_process_eval: {model.name!r} was not processed by this AutoBoost's "
+                           "network_auto_process_train, so its LessBN copy has its own weights (those of "
+                           f"{model.name!r} now), not trained ones; pass the model given to or returned by "
+                           "network_auto_process_train to evaluate the trained weights", UserWarning)
             return self.rewrite(model, fn_flag=False)
         return model
 
@@ -121,8 +121,8 @@ class AutoBoost(BoostConfig):
                                 f"Sequential model; {model.name!r} is a subclassed {type(model).__name__}. Build it "
                                 "functionally, or switch less_bn off (mode 'manual', 'less_bn': False)")
             if fn_flag and not has_dense_head(model) and not self.measured("less_bn"):
-                warnings.warn(f"fn_flag: {model.name!r} has no Dense layer producing its output, so the FN head is "
-                              "skipped; LessBN still applies", UserWarning, stacklevel=3)
+                _warnings.warn(f"fn_flag: {model.name!r} has no Dense layer producing its output, so the FN head is "
+                               "skipped; LessBN still applies", UserWarning)
                 fn_flag = False
             model = LessBN(model, fn_flag=fn_flag, fn_needs_removal=self.measured("less_bn"),
                            fn_outputs="classifiers" if self.measured("less_bn") else "all")

@@ -7,11 +7,10 @@ parameters are lists of variables matched across models by `variable.path`.
 """
 
 import copy
-import warnings
 
 import keras
 
-from keras_boost import _keras_compat
+from keras_boost import _keras_compat, _warnings
 from keras_boost.stages.centralization import GradientCentralization, gc_variables
 
 
@@ -135,9 +134,9 @@ class OptimizerProcess:
 
         inner = self.optimizer
         if inner.built:
-            warnings.warn(f"OptimizerProcess: the optimizer {inner.name!r} is already built on other variables; "
-                          "the new model gets a fresh copy made from its get_config() (state, and what the config "
-                          "does not hold, are not carried over)", UserWarning, stacklevel=2)
+            _warnings.warn(f"OptimizerProcess: the optimizer {inner.name!r} is already built on other variables; "
+                           "the new model gets a fresh copy made from its get_config() (state, and what the config "
+                           "does not hold, are not carried over)", UserWarning)
             inner = self.optimizer_class.from_config(copy.deepcopy(self.config))
             pattern = getattr(self.optimizer, "_exclude_from_weight_decay_pattern", None)
             if pattern is not None:

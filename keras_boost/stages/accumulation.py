@@ -11,6 +11,8 @@ a restore). BatchNorm moving statistics update on every micro-batch, as in Keras
 MindSpore, since they are updated by the forward pass.
 """
 
+import numbers
+
 import keras
 import tensorflow as tf
 
@@ -43,6 +45,7 @@ class GradientAccumulation(Stage):
     """
 
     option = "gradient_accumulation"
+    option_values = "None, False, a positive int (micro-batches per update)"
     step_attribute = "accumulation"
 
     def __init__(self, max_accumulation_step, optimizer=None):
@@ -60,6 +63,11 @@ class GradientAccumulation(Stage):
         of micro-batches per update, or a `GradientAccumulation` (1 means off)."""
         if value is None or value is False:
             return None
+        if not isinstance(value, GradientAccumulation):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise cls.bad_option(value)
+            if value < 1:
+                raise cls.bad_option(value, ValueError)
         stage = value if isinstance(value, GradientAccumulation) else cls(value)
         return None if stage.max_accumulation_step == 1 else stage
 

@@ -24,8 +24,7 @@ import logging
 
 import tensorflow as tf
 
-from keras_boost import distributed
-import warnings
+from keras_boost import distributed, _warnings
 
 from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
@@ -118,9 +117,8 @@ class AdaSum(Stage):
             if self.strict:
                 raise ValueError(f"device_number ({device_number}) must divide the number of workers ({size})")
             # MindSpore leaves AdaSum off when the launch does not fit its groups.
-            warnings.warn(f"AdaSum is off: device_number ({device_number}) does not divide the number of workers "
-                          f"({size}); gradients are averaged over every worker, as MindSpore does", UserWarning,
-                          stacklevel=2)
+            _warnings.warn(f"AdaSum is off: device_number ({device_number}) does not divide the number of workers "
+                           f"({size}); gradients are averaged over every worker, as MindSpore does", UserWarning)
             device_number = size
         groups = size // device_number
         if self.group_number is not None and self.group_number != groups and device_number == (

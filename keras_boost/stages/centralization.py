@@ -50,6 +50,7 @@ class GradientCentralization(Stage):
     """
 
     option = "gradient_centralization"
+    option_values = "None, a bool, 'mindspore', 'all'"
     step_attribute = "centralization"
     measurable = True
     level_section = "less_bn"  # a level's GC is LessBN's gc_flag
@@ -96,8 +97,7 @@ class GradientCentralization(Stage):
         if isinstance(value, str) and value == "all":
             return cls.every_kernel()
         if isinstance(value, str):
-            raise ValueError(f"`gradient_centralization` must be a bool, 'mindspore', 'all' or a "
-                             f"GradientCentralization, got {value!r}.")
+            raise cls.bad_option(value, ValueError)
         return super().from_option(value, model)
 
     @classmethod

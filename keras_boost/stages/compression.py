@@ -28,12 +28,11 @@ and summed in float64: half the bytes of a float32 allreduce on 2 workers, as ma
 more beyond (a warning says so).
 """
 
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from keras_boost import distributed
+from keras_boost import distributed, _warnings
 from keras_boost.core.contract import Stage, map_values
 
 _ALIASES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -147,9 +146,9 @@ class GradientCompression(Stage):
     def build(self, context):
         workers = distributed.size()
         if self.dtype == "bfloat16" and workers > 4:
-            warnings.warn(f"bfloat16 compression on {workers} workers sends more bytes than a float32 allreduce: "
-                          "Horovod 0.28.1 cannot sum bfloat16, so every worker gathers the others' gradients; "
-                          "use compression='float16'", UserWarning, stacklevel=2)
+            _warnings.warn(f"bfloat16 compression on {workers} workers sends more bytes than a float32 allreduce: "
+                           "Horovod 0.28.1 cannot sum bfloat16, so every worker gathers the others' gradients; "
+                           "use compression='float16'", UserWarning)
 
     def encode(self, grads, indices):
         self._dtypes = [_dtype_of(g) for g in grads]

@@ -21,11 +21,11 @@ instead of several ops).
 """
 
 import contextlib
-import warnings
 
 import keras
 import tensorflow as tf
 
+from keras_boost import _warnings
 from keras_boost._validation import check_bool
 from keras_boost.core.adapter import applying_optimizer
 from keras_boost.core.contract import Stage
@@ -59,8 +59,8 @@ class FusedUpdate(Stage):
         if self.strict:
             raise ValueError(f"`fused_update=True`, but {reason}; pass fused_update=False, or use "
                              "keras.optimizers.SGD, Adam or AdamW (without amsgrad).")
-        warnings.warn(f"keras_boost: the boost level's fused update is off: {reason}; Keras' update is used.",
-                      UserWarning, stacklevel=4)
+        _warnings.warn(f"keras_boost: the boost level's fused update is off: {reason}; Keras' update is used.",
+                       UserWarning)
 
     def around_update(self, optimizer):
         return fused_kernels(optimizer)

@@ -31,6 +31,7 @@ class LossScale(Stage):
     """
 
     option = "loss_scale"
+    option_values = "None, 'auto', False, 'dynamic', a positive number, a scalar tensor"
     step_attribute = "loss_scale"
     needs_finite = True
     drop_overflow_update = True
@@ -54,12 +55,15 @@ class LossScale(Stage):
         if isinstance(value, str):
             if value == "dynamic":
                 return DynamicLossScale()
-            raise ValueError(f"loss_scale must be None, 'auto', False, 'dynamic', a number, a scalar tensor or a "
-                             f"LossScale, got {value!r}")
+            raise cls.bad_option(value, ValueError)
         if isinstance(value, LossScale):
             return value
+        if isinstance(value, bool):  # True: which scale? 'dynamic' says it
+            raise cls.bad_option(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return as_loss_scale(tf.constant(float(value)), name="loss_scale")
+        if not (tf.is_tensor(value) or isinstance(value, (np.ndarray, np.number))):
+            raise cls.bad_option(value)
         return as_loss_scale(value, name="loss_scale")
 
     def check_optimizer(self, optimizer):
