@@ -33,9 +33,9 @@ CACHE="${KERAS_BOOST_CACHE:-$HOME/.cache/keras_boost}"
 PATCH_ID="$(cat $(ls "$ROOT"/keras_boost/horovod_patches/*.patch | LC_ALL=C sort) | sha256sum | cut -c1-8)"
 DATA_DIR="/usr/share/datasets/fashion-mnist"
 # openssh-server, iproute2 and util-linux: the multi-host tests' cluster of network-namespace hosts (tests/cluster.py)
-# patch: keras_boost/horovod_patches
+# patch: keras_boost/horovod_patches; slurm-wlm and munge: the Slurm tests' scheduler (tests/slurm.py)
 APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ patch libhighwayhash-dev libfarmhash-dev dataset-fashion-mnist
-              openssh-server openssh-client iproute2 util-linux)
+              openssh-server openssh-client iproute2 util-linux slurm-wlm munge)
 # TensorFlow 2.19's headers include LLVM headers its wheel does not ship (TensorFlow issue #90026)
 case "$TF_VERSION" in 2.19.*) APT_PACKAGES+=(llvm-14-dev) ;; esac
 # tensorboard: tf.summary (Keras' TensorBoard callback); tensorflow-cpu 2.21 no longer pulls it in

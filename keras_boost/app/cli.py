@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -124,6 +125,20 @@ def _add_host_options(parser, launching=True):
                         "interface, Open MPI's btl_tcp_if_include, NCCL_SOCKET_IFNAME); default: the interface "
                         "horovodrun finds on every host" if launching else
                         "check that this interface is on every host, on one subnet")
+
+
+def _hosts_from_slurm(args):
+    """Inside a Slurm allocation, `train`/`bench` without --hosts, --hostfile or --np run on its hosts and slots."""
+    from keras_boost import distributed
+
+    if args.command not in ("train", "bench") or args.hosts or args.hostfile or args.np is not None \
+            or distributed.launched():
+        return
+    hosts = launch.slurm_hosts()
+    if hosts and (len(hosts) > 1 or hosts[0][1] > 1):
+        args.hosts = hosts
+        print(f"keras-boost: the hosts of Slurm job {os.environ.get('SLURM_JOB_ID', '?')}: "
+              f"{launch.hosts_argument(hosts)}", flush=True)
 
 
 def _resolve_hosts(parser, args):
@@ -262,6 +277,9 @@ def build_parser():
     train.add_argument("--level", choices=["O0", "O1", "O2"], default="O0", help="boost level (default O0)")
     train.add_argument("--checkpoint-dir", default=None, help="save weights there every epoch (rank 0); a later run "
                        "starts from them when present (a warm start: its epochs run again, the optimizer starts anew)")
+    train.add_argument("--backup-dir", default=None, help="back the whole training state up there at every epoch's "
+                       "end (keras_boost.callbacks.BackupAndRestore); a run cut short (scancel, a requeue, a lost "
+                       "host) and started again with the same folder resumes exactly where the last backup left it")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     bench = sub.add_parser("bench", help="train at several levels side by side; write a Markdown table and a PNG")
@@ -285,6 +303,12 @@ def build_parser():
 
 
 def main(argv=None):
+    import warnings
+
+    # Keras under numpy 2 (TensorFlow 2.20+) warns on every conversion of a tensor; the command's
+    # own module would be named as its source, so Python would show it (twice per worker)
+    warnings.filterwarnings("ignore", message=r"__array__ implementation doesn't accept a copy keyword",
+                            category=DeprecationWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["build-horovod"]:
         from keras_boost.app import horovod_build
@@ -292,6 +316,7 @@ def main(argv=None):
         return horovod_build.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    _hosts_from_slurm(args)
     _resolve_hosts(parser, args)
     _check_config(parser, args)
     commands = {"info": lambda: _info(args), "train": lambda: _train(args, argv), "bench": lambda: _bench(args, argv)}

@@ -203,8 +203,13 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
 
     named = []  # the workers' lines that name a lost rank, for the summary
 
+    from keras_boost._startup import LineFilter, min_log_level
+
     def forward(source, target):
+        quiet = LineFilter(min_log_level())  # horovodrun imports TensorFlow itself (its build check)
         for line in iter(source.readline, b""):
+            if not quiet.keep(line):
+                continue
             if "at" not in ending and any(mark.encode() in line for mark in _ENDING):
                 ending["at"] = time.monotonic()
             text = line.decode(errors="replace").rstrip()
@@ -282,3 +287,62 @@ def _signal_group(process, signum):
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ------------------------------------------------------------------ Slurm
+def _expand_nodelist(text):
+    """Slurm's compressed host list ("node[01-03,7],gpu1") as names, without scontrol."""
+    hosts, depth, part = [], 0, ""
+    for ch in text + ",":
+        if ch == "," and depth == 0:
+            if part:
+                match = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
+                if not match:
+                    hosts.append(part)
+                else:
+                    head, ranges, tail = match.groups()
+                    for piece in ranges.split(","):
+                        low, _, high = piece.partition("-")
+                        for number in range(int(low), int(high or low) + 1):
+                            hosts.append(f"{head}{number:0{len(low)}d}{tail}")
+            part = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        part += ch
+    return hosts
+
+
+def _expand_counts(text, n):
+    """SLURM_TASKS_PER_NODE ("2(x3),1") as a list of `n` counts."""
+    counts = []
+    for piece in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", piece.strip())
+        if not match:
+            return [1] * n
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts if len(counts) == n else [1] * n
+
+
+def slurm_hosts(environ=None):
+    """[(host, slots)] of the Slurm allocation this command runs in, or None outside one.
+
+    The hosts are SLURM_JOB_NODELIST's (`scontrol show hostnames`, or read here without it),
+    the slots SLURM_TASKS_PER_NODE's (one worker per task: `--ntasks-per-node`), else 1 a host.
+    """
+    env = os.environ if environ is None else environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    hosts = None
+    if shutil.which("scontrol"):
+        import subprocess
+
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode == 0 and done.stdout.split():
+            hosts = done.stdout.split()
+    hosts = hosts or _expand_nodelist(nodelist)
+    counts = _expand_counts(env.get("SLURM_TASKS_PER_NODE", ""), len(hosts)) if env.get("SLURM_TASKS_PER_NODE") \
+        else [1] * len(hosts)
+    return list(zip(hosts, counts))

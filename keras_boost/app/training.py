@@ -10,6 +10,7 @@ import numpy as np
 from keras_boost import distributed
 from keras_boost.app import data
 from keras_boost.config import read_config
+from keras_boost.distributed import callbacks as boost_callbacks
 from keras_boost.distributed.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
 from keras_boost.stages.fused_update import why_not_fused
@@ -164,11 +165,21 @@ def _checkpoint_callbacks(model, directory):
     return [rank_zero_only(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))]
 
 
+class _EpochsRun(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
 def run_training(args):
     """Trains per `args` (the `keras-boost train` options) on this worker; returns a summary dict."""
     model, (x_train, y_train), (x_test, y_test) = prepare(args)
-    frozen_steps = FrozenSteps()
-    callbacks = _checkpoint_callbacks(model, args.checkpoint_dir) + [frozen_steps]
+    frozen_steps, epochs_run = FrozenSteps(), _EpochsRun()
+    backup = [boost_callbacks.BackupAndRestore(args.backup_dir)] if getattr(args, "backup_dir", None) else []
+    callbacks = backup + _checkpoint_callbacks(model, args.checkpoint_dir) + [frozen_steps, epochs_run]
     start = time.perf_counter()
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
                         steps_per_epoch=args.steps_per_epoch, shuffle=True, callbacks=callbacks)
@@ -180,6 +191,7 @@ def run_training(args):
         "workers": distributed.size(),
         "hosts": hosts,  # each worker's hostname, in rank order
         "epochs": args.epochs,
+        "epochs_run": epochs_run.epochs,  # after a resume from --backup-dir, the epochs left
         "train_loss": round(float(history.history["loss"][-1]), 4),
         "test_accuracy": round(float(test["accuracy"]), 4),
         "wall_time_s": round(wall, 1),
