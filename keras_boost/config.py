@@ -66,7 +66,7 @@ import copy
 import json
 import os
 
-from keras_boost import _warnings
+from keras_boost._warnings import warn
 from keras_boost._validation import check_bool
 
 FEATURES = ("less_bn", "grad_freeze", "adasum", "grad_accumulation")
@@ -208,9 +208,9 @@ class BoostConfig:
         # them all, False, with mode "auto"); keras_boost too, but says so when one differs.
         ignored = sorted(k for k, v in feature_switches.items() if v != features[k])
         if ignored:
-            _warnings.warn(f"feature switches {ignored} in boost_config['boost'] take effect only with mode "
-                           f"'manual'; the mode is {self.mode!r}, so level {self.level} decides: "
-                           f"{ {k: features[k] for k in ignored} }", UserWarning)
+            warn(f"feature switches {ignored} in boost_config['boost'] take effect only with mode "
+                 f"'manual'; the mode is {self.mode!r}, so level {self.level} decides: "
+                 f"{ {k: features[k] for k in ignored} }", UserWarning)
         return features
 
     def enabled(self, feature):

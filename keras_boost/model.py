@@ -282,6 +282,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             callbacks.insert(0, AverageBatchNormStatistics())  # first at each epoch's end: checkpoints see it
         callbacks, verbose = dropin.progress_callbacks(self, callbacks, _rank_zero_verbose(verbose))
         kwargs, args = _fit_arguments(args, kwargs), ()
+        if "shuffle" not in kwargs and isinstance(kwargs.get("x"), tf.data.Dataset):
+            kwargs["shuffle"] = False  # Keras ignores it for a Dataset, and warns when it is True (its default)
         if distributed.size() > 1:
             # One collective before the first one of fit: same configuration everywhere
             # (ValueError otherwise), and the same number of steps per epoch (uneven data).

@@ -105,7 +105,7 @@ def test_horovodrun_command_with_hosts_interface_and_start_timeout(monkeypatch):
 
 def test_train_relaunches_on_the_hosts_and_the_workers_get_no_host_options(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(cli.launch, "run_launcher", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli.launch, "run_launcher", lambda cmd, **kwargs: calls.append(cmd) or 0)
     monkeypatch.delenv("HOROVOD_START_TIMEOUT", raising=False)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("kbh1 slots=1\nkbh2 slots=1\n")
@@ -294,11 +294,11 @@ def test_different_package_versions_are_refused_at_fit_start_naming_them(monkeyp
     model = compile_sgd(mlp(BoostModel))
     args = {"batch_size": 16, "epochs": 1}
 
-    def other_keras(obj, name):  # the fit-start allgather, with rank 1 on another Keras
+    def other_keras(call, obj):  # the fit-start rendezvous, with rank 1 on another Keras
         versions = dict(obj["print"].get("versions") or {}, keras="3.14.0")
         return [obj, {**obj, "print": {**obj["print"], "versions": versions}}]
 
-    monkeypatch.setattr(distributed, "allgather_object", other_keras)
+    monkeypatch.setattr(distributed, "rendezvous", other_keras)
     with pytest.raises(ValueError, match=r"the 2 workers were started with different configurations.*Keras version: "
                                          r"rank 0 \(host .*\) has 3\.15\.\d+, rank 1 \(host .*\) has 3\.14\.0"):
         data_sync.check_agreement(model, args, 4)  # every worker raises this, before any collective of fit

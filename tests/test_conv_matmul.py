@@ -287,5 +287,5 @@ def test_levels_switch_it_on_where_a_feature_is_on(level, boost, on):
 def test_bad_values_are_refused_naming_the_option():
     with pytest.raises(TypeError, match=r"boost_config\['boost'\]\['conv_matmul'\]` must be a bool"):
         BoostConfig("O1", {"boost": {"conv_matmul": 1}})
-    with pytest.raises(TypeError, match="`conv_matmul` must be a bool or a ConvMatmul, got 'yes'"):
+    with pytest.raises(TypeError, match="`conv_matmul` must be None, a bool or a ConvMatmul, got 'yes'"):
         _pixel_net(keras_boost.BoostModel).compile(optimizer="sgd", loss="mse", conv_matmul="yes")

@@ -325,7 +325,7 @@ def test_levels_switch_it_on_where_a_feature_is_on(level, boost, on):
 def test_bad_values_are_refused_naming_the_option():
     with pytest.raises(TypeError, match=r"boost_config\['boost'\]\['fused_batchnorm'\]` must be a bool"):
         BoostConfig("O1", {"boost": {"fused_batchnorm": 1}})
-    with pytest.raises(TypeError, match="`fused_batchnorm` must be a bool or a FusedBatchNorm, got 'yes'"):
+    with pytest.raises(TypeError, match="`fused_batchnorm` must be None, a bool or a FusedBatchNorm, got 'yes'"):
         _bn_net(keras_boost.BoostModel).compile(optimizer="sgd", loss="mse", fused_batchnorm="yes")
 
 

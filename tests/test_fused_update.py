@@ -164,7 +164,7 @@ def test_explicit_option_with_an_optimizer_without_kernel_is_a_value_error_at_co
     model = mlp()
     with pytest.raises(ValueError, match="`fused_update=True`, but RMSprop's update has no fused kernel"):
         model.compile(optimizer=keras.optimizers.RMSprop(), loss="mse", fused_update=True)
-    with pytest.raises(TypeError, match="`fused_update` must be a bool or a FusedUpdate, got 'yes'"):
+    with pytest.raises(TypeError, match="`fused_update` must be None, a bool or a FusedUpdate, got 'yes'"):
         mlp().compile(optimizer="sgd", loss="mse", fused_update="yes")
 
 

@@ -63,7 +63,7 @@ def test_config_imports_neither_tensorflow_nor_horovod():
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0] if not node.module.startswith("keras_boost") else node.module)
     assert not {"tensorflow", "horovod", "keras"} & imported, imported
-    assert imported <= {"copy", "json", "os", "warnings", "keras_boost._validation"}, imported
+    assert imported <= {"copy", "json", "os", "warnings", "keras_boost._validation", "keras_boost._warnings"}, imported
 
 
 def test_keras_version_outside_the_range_fails_with_the_range():
@@ -81,7 +81,8 @@ def test_keras_version_outside_the_range_fails_with_the_range():
 # The folders from the bottom up (docs/architecture.md, "Layout"): a module imports only
 # modules of its own folder or of a lower one, so a stage never runs back up into the loop.
 LAYERS = (
-    {"keras_boost._version", "keras_boost._versions", "keras_boost._startup", "keras_boost._validation",
+    {"keras_boost._version", "keras_boost._versions", "keras_boost._startup", "keras_boost._warnings",
+     "keras_boost._validation",
      "keras_boost._keras_compat", "keras_boost.config", "keras_boost.precision"},
     {"keras_boost.core"},
     {"keras_boost.distributed", "keras_boost.graph"},

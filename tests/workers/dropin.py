@@ -89,7 +89,7 @@ def run(mode, directory=None):
             model = compile_sgd(mlp(BoostModel, seed=rank), jit_compile=True, loss_scale="dynamic",
                                 gradient_accumulation=2, metrics=["accuracy"])
             model.fit(xs, ys, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
-            loss = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True)["loss"]
+            loss = model.evaluate(xs, ys, batch_size=BATCH, verbose=0, return_dict=True, across_workers=True)["loss"]
         jit_warnings = [str(w.message) for w in caught if "jit_compile" in str(w.message)]
         return dict(weights=flat(model), jit_warnings=jit_warnings, loss=loss, jit_compile=bool(model.jit_compile))
 
