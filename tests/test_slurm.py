@@ -87,7 +87,11 @@ def test_a_job_cut_short_resumes_from_its_backup(slurm, tmp_path, how):
     assert marker.exists(), [p.read_text()[-3000:] for p in tmp_path.glob("job-*.out")]
     if how == "requeue":
         assert slurm.run(["scontrol", "requeue", job]).returncode == 0
-        slurm.run(["scontrol", "release", job])  # a requeued job may be held; let it start again
+        # Slurm lets a requeued batch job start again only after a delay (its begin time): now
+        deadline = time.monotonic() + 30
+        while slurm.job(job).get("JobState") not in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     else:
         assert slurm.run(["scancel", job]).returncode == 0
         assert slurm.wait(job, timeout=60) == "CANCELLED"
