@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("keras_boost", "tests", "scripts", "setup.py")
+COPIED = ("keras_boost", "tests", "scripts", "setup.py", "README.md", "docs")  # README: its commands are tests
 
 
 @dataclasses.dataclass(frozen=True)

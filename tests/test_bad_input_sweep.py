@@ -173,3 +173,10 @@ def test_every_compile_option_refuses_a_bad_value_in_one_style():
         assert message.startswith(f"`{option}` must be "), (option, message)
         assert ", got <object" in message and message.rstrip(".").endswith("(object)"), (option, message)
         assert " a AdaSum" not in message and " a Adasum" not in message
+    # a value of the right kind outside what is allowed: ValueError, in the same style
+    for option, value in (("gradient_accumulation", 0), ("loss_scale", "fast"), ("gradient_centralization", "every")):
+        model = keras_boost.BoostModel(inputs, outputs)
+        with pytest.raises(ValueError) as raised:
+            model.compile(optimizer="sgd", loss="mse", **{option: value})
+        assert str(raised.value).startswith(f"`{option}` must be "), (option, str(raised.value))
+        assert f", got {value!r} ({type(value).__name__})." in str(raised.value), (option, str(raised.value))
