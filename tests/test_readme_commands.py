@@ -17,7 +17,20 @@ from tests.launch import horovod_build_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-VENV = os.path.relpath(sys.prefix, ROOT)
+
+
+def _venv_in_root():
+    """This suite's environment as a path relative to the repository (a link in it when the venv is elsewhere)."""
+    relative = os.path.relpath(sys.prefix, ROOT)
+    if not relative.startswith(".."):
+        return relative
+    link = ROOT / ".venv-readme-test"  # ignored by git, as every .venv*
+    if not link.is_symlink():
+        link.symlink_to(sys.prefix)
+    return link.name
+
+
+VENV = _venv_in_root()
 
 
 def as_written(command):
