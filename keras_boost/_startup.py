@@ -1,7 +1,7 @@
 """TensorFlow imported for keras_boost: its version checked, its C++ start-up lines kept quiet.
 
-TensorFlow up to 2.18 logs through its own logger, which honours `TF_CPP_MIN_LOG_LEVEL`.
-From 2.19 on it logs through abseil, and the lines its libraries write while they load
+TensorFlow up to 2.20 logs through its own logger, which honours `TF_CPP_MIN_LOG_LEVEL`.
+2.21 logs through abseil, and the lines its libraries write while they load
 (the oneDNN notice, the CPU-feature notice) come before abseil is initialised: abseil then
 writes every line to stderr whatever the level, after a line saying so. When keras_boost
 is the one importing TensorFlow and `TF_CPP_MIN_LOG_LEVEL` asks for quiet, the import runs
