@@ -286,7 +286,7 @@ class LineProgressLogger(keras.callbacks.Callback):
     """`verbose=1` as whole lines, for a log that a launcher or a file keeps rather than a terminal.
 
     Keras' progress bar redraws one line with carriage returns and backspaces, which a log
-    keeps as one line of every redraw (60,000 characters an epoch under horovodrun). This
+    keeps as one line of every redraw (one line an epoch, tens of thousands of characters). This
     prints a whole line at most every `interval` seconds while an epoch (or an `evaluate`,
     or a `predict`) runs, and one at its end: the batch, the time, the metrics, never over
     `width` characters (the metrics that do not fit are left out of the progress lines; the
