@@ -18,6 +18,7 @@ host. What a machine of namespaces needs that a real cluster has anyway:
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -132,11 +133,35 @@ PartitionName=kb Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         slurm.processes.append(cluster.popen(slurm.controller, ["slurmctld", "-D", "-i"], env=slurm.env(),
                                              stdout=log, stderr=subprocess.STDOUT))
         for host in cluster.hosts:
-            env = {"SLURM_CONF": str(slurm.dir / f"conf-{host}" / "slurm.conf")}
-            slurm.processes.append(cluster.popen(host, ["slurmd", "-D"], env=env, stdout=log,
-                                                 stderr=subprocess.STDOUT))
+            slurm._start_slurmd(host)
         slurm.wait_idle(len(cluster.hosts))
         return slurm
+
+    def _start_slurmd(self, host):
+        env = {"SLURM_CONF": str(self.dir / f"conf-{host}" / "slurm.conf")}
+        with open(self.dir / "daemons.out", "a") as log:
+            self.processes.append(self.cluster.popen(host, ["slurmd", "-D"], env=env, stdout=log,
+                                                     stderr=subprocess.STDOUT))
+
+    def kill_node(self, host):
+        """`host` dies as a machine does: its link goes down first (it says goodbye to nobody), then
+        every process on it ends at once (its slurmd, slurmstepds and the job's tasks) but its sshd."""
+        self.cluster.link(host, up=False)
+        keep = {int(self.cluster.host_pid(host))}
+        found = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout.split()
+        for pid in map(int, found):
+            if pid not in keep:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def revive_node(self, host, timeout=60):
+        """`host` boots again: link up, a new slurmd, and back in service (ReturnToService=2)."""
+        self.cluster.link(host, up=True)
+        self._start_slurmd(host)
+        self.run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], timeout=15)
+        self.wait_idle(len(self.cluster.hosts), timeout=timeout)
 
     def run(self, argv, timeout=60, env=None):
         return self.cluster.run(self.controller, argv, timeout=timeout, env={**self.env(), **(env or {})})

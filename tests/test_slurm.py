@@ -1,9 +1,8 @@
 """keras_boost under a real Slurm (tests/slurm.py: slurmctld and a slurmd on each namespace host): the
 documented job script on 2 and 4 hosts (srun with PMIx, Horovod on MPI), mpirun and `keras-boost train`
-inside an allocation, and a job cancelled with scancel or requeued that resumes from its backup."""
+inside an allocation, and a job cancelled with scancel or losing a node (requeued) that resumes from its backup."""
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,8 +66,17 @@ def test_mpirun_and_keras_boost_train_inside_an_allocation(slurm, tmp_path):
     assert sorted(_result(out)["hosts"]) == sorted(slurm.cluster.hosts[:2])
 
 
-@pytest.mark.parametrize("how", ["requeue", "scancel"])
+def _hostnames(slurm, nodelist):
+    return slurm.run(["scontrol", "show", "hostnames", nodelist], timeout=15).stdout.split()
+
+
+@pytest.mark.parametrize("how", ["scancel", "node dies"])
 def test_a_job_cut_short_resumes_from_its_backup(slurm, tmp_path, how):
+    """After the backup of epoch 1 the job is cancelled (`scancel`, then submitted again) or loses a
+    node (its link and every process on it gone): Slurm finds the node unresponsive, fails the job,
+    names the node in the job's log and requeues the job (`--requeue`) on the hosts left, where it
+    resumes. Both end as if nothing had happened. (`scontrol requeue` by hand takes the same path
+    as the node's requeue: SLURM_RESTART_COUNT > 0 and the backup.)"""
     backup, marker, results = tmp_path / "backup", tmp_path / "marker", tmp_path / "results"
     results.mkdir()
     env = {**ENV, "KB_RESULT_DIR": str(results)}
@@ -79,26 +87,46 @@ def test_a_job_cut_short_resumes_from_its_backup(slurm, tmp_path, how):
                             f"srun --mpi=pmix {sys.executable} {WORKERS / 'slurm_resume.py'} {mode} {backup} {marker}",
                             env=env)
 
+    def start_now(job):
+        # Slurm lets a requeued batch job start again only after a delay (its begin time): now
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            now = slurm.job(job)
+            if now.get("JobState") == "PENDING":
+                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+                return
+            if int(now.get("Restarts", 0)) > 0 and now.get("JobState") in ("RUNNING", "COMPLETED"):
+                return  # started again already
+            time.sleep(0.5)
+
     job = submit("train")
     deadline = time.monotonic() + 240
     while not marker.exists() and time.monotonic() < deadline:
         assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job(job)
         time.sleep(0.5)
     assert marker.exists(), [p.read_text()[-3000:] for p in tmp_path.glob("job-*.out")]
-    if how == "requeue":
-        assert slurm.run(["scontrol", "requeue", job]).returncode == 0
-        # Slurm lets a requeued batch job start again only after a delay (its begin time): now
-        deadline = time.monotonic() + 30
-        while slurm.job(job).get("JobState") not in ("PENDING", "RUNNING") and time.monotonic() < deadline:
-            time.sleep(0.5)
-        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-    else:
+    dead = None
+    if how == "scancel":
         assert slurm.run(["scancel", job]).returncode == 0
         assert slurm.wait(job, timeout=60) == "CANCELLED"
         job = submit("resume")
-    state = slurm.wait(job, timeout=400)
-    logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("job-*.out"))
-    assert state == "COMPLETED", logs
+    else:
+        dead = [h for h in _hostnames(slurm, slurm.job(job)["NodeList"]) if h != slurm.controller][-1]
+        slurm.kill_node(dead)
+    try:
+        if dead is not None:
+            start_now(job)
+        state = slurm.wait(job, timeout=400)
+        logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("job-*.out"))
+        assert state == "COMPLETED", logs
+        if dead is not None:
+            ran = slurm.job(job)
+            assert int(ran["Restarts"]) >= 1, ran
+            assert dead not in _hostnames(slurm, ran["NodeList"]), ran  # requeued on the hosts left
+            assert f"Node failure on {dead}" in logs, logs  # srun names the node that died
+    finally:
+        if dead is not None:
+            slurm.revive_node(dead)
     found = {int(p.stem[4:]): json.loads(p.read_text()) for p in results.glob("rank*.json")}
     assert sorted(found) == [0, 1], logs
     for rank in (0, 1):
