@@ -120,11 +120,8 @@ def mpirun(script, np=2, args=(), timeout=240, env=None, gpus=False, hostfile=No
     return _launch(cmd, timeout, env, gpus, cluster=_cluster_for([host for host, _ in hostfile or ()]))
 
 
-def _launch(cmd, timeout, env, gpus, cluster=None):
-    """Runs a launcher command in its own process group; kills the whole group after `timeout` s.
-
-    With `cluster`, the command runs inside its first host (the cluster's ssh first on PATH),
-    and a timeout also kills every process left on its hosts."""
+def launch_env(env=None, gpus=False):
+    """The environment a launcher runs in (the workers inherit it): the suite's settings, then `env`."""
     full_env = dict(os.environ)
     full_env.update({"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
                      "KERAS_BOOST_COUNT_COLLECTIVES": "1",  # tests read distributed.allreduce_count()
@@ -134,6 +131,15 @@ def _launch(cmd, timeout, env, gpus, cluster=None):
                      **horovod_build_env()})
     full_env.update(_device_env(gpus))
     full_env.update(env or {})
+    return full_env
+
+
+def _launch(cmd, timeout, env, gpus, cluster=None):
+    """Runs a launcher command in its own process group; kills the whole group after `timeout` s.
+
+    With `cluster`, the command runs inside its first host (the cluster's ssh first on PATH),
+    and a timeout also kills every process left on its hosts."""
+    full_env = launch_env(env, gpus)
     result_dir = tempfile.mkdtemp(prefix="kb_results_")
     full_env["KB_RESULT_DIR"] = result_dir
     if cluster is not None:

@@ -216,3 +216,46 @@ def test_a_host_that_drops_off_ends_the_job_and_a_relaunch_resumes(cluster, tmp_
         assert found[rank]["epochs"] == [2, 3], found[rank]  # epochs 0 and 1 were backed up whole
         assert found[rank]["resumed"] == found[rank]["uninterrupted"]  # bit-identical to no fault at all
     assert found[0]["resumed"] == found[1]["resumed"]
+
+
+def test_a_host_that_drops_off_under_mpi_is_named_by_the_workers_and_the_launcher(cluster, tmp_path):
+    """`keras-boost train --controller mpi` on two hosts; host 2's link goes down in epoch 2. Under
+    MPI there is no launcher store: rank 0 serves one, so the surviving worker's watchdog names
+    rank 1 and its host, and the launcher ends the job (mpirun would wait for the lost host's
+    daemon) within seconds of that line, repeating it with the command to relaunch."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from tests.launch import _kill, launch_env
+
+    first, lost = cluster.hosts[:2]
+    log = tmp_path / "job.log"
+    command = cluster.command(first, [Path(sys.prefix) / "bin" / "keras-boost", "train", "--hosts",
+                                      f"{first}:1,{lost}:1", "--controller", "mpi", "--epochs", "30",
+                                      "--train-samples", "4096", "--batch-size", "32"])
+    env = cluster.env(launch_env({"KERAS_BOOST_STALL_TIMEOUT": "20"}))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while "Epoch 2/" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert "Epoch 2/" in log.read_text(), log.read_text()[-4000:]
+        time.sleep(3)
+        cluster.link(lost, up=False)
+        down = time.monotonic()
+        status = proc.wait(timeout=150)
+        took = time.monotonic() - down
+    finally:
+        cluster.link(lost, up=True)
+        _kill(proc, cluster)
+    text = log.read_text()
+    assert status != 0, text[-4000:]
+    workers = [line for line in text.splitlines() if "keras_boost: stall: nothing heard from rank 1 on" in line]
+    assert workers and f"rank 1 on {lost}" in workers[0], text[-4000:]
+    summary = text[text.rindex("keras-boost: the job ended with status"):]
+    assert f"nothing heard from rank 1 on {lost}" in summary and "keras-boost: to go on, relaunch:" in summary, summary
+    # the watchdog (stall 20 s, plus Horovod's shutdown under MPI) and the launcher's NAMED_GRACE
+    assert took < 20 + 20 + 10 + 20, (took, text[-4000:])
+    cluster.wait_ssh(lost)

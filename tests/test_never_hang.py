@@ -84,14 +84,14 @@ def test_a_stalled_worker_ends_the_job_within_the_timeout_naming_it(controller):
     if controller == "gloo":  # keras_boost's watchdog: Horovod's stall inspector does not fire under Gloo
         assert "keras_boost: stall: rank(s) [1] stopped calling collectives" in out, out[-4000:]
         # each rank's position, with its host
-        assert re.search(r"rank 1 on \S+: in callbacks or user code before train step 2 of epoch 0", out), out[-4000:]
+        assert re.search(r"rank 1 on \S+: in callbacks or user code before train step 3 of epoch 1", out), out[-4000:]
     else:  # Horovod's stall inspector names the missing rank and the tensors, then shuts down
         assert re.search(r"Missing ranks:\s*\n\S*1!?: \[\S*keras_boost\.(eager\.)?allreduce", out), out[-4000:]
         if "stalled for longer than 10 seconds. Will shutdown" in out:
             assert re.search(r"keras_boost: lost: rank 0 of 2 on \S+: a collective of fit was abandoned", out), \
                 out[-4000:]
         else:  # Horovod's shutdown came late on a loaded machine: keras_boost's watchdog (its backstop) ended it
-            assert re.search(r"keras_boost: stall: rank 0 of 2 on \S+ has been in train step 2 of epoch 0 .* ending the job",
+            assert re.search(r"keras_boost: stall: rank 0 of 2 on \S+ has been in train step 3 of epoch 1 .* ending the job",
                              out), out[-4000:]
     # from the moment rank 1 stopped to the end of the job: the timeout, plus Horovod's check
     # period under MPI (5 s here), plus the launcher's clean-up (slow on a loaded machine)

@@ -174,7 +174,12 @@ def horovodrun_command(np_workers, controller, arguments, hosts=None, network_in
 # timeouts for a lost daemon: TCP retransmission, about 15 min). So `keras-boost` watches
 # its launcher's output and ends it `LAUNCHER_GRACE` seconds after such a line.
 LAUNCHER_GRACE = 60.0
+# Once a worker has named a rank that nothing was heard from (its host is gone), nothing more
+# can come from waiting for that host's daemon.
+NAMED_GRACE = 10.0
 _ENDING = ("keras_boost: stall: rank ", "abort is already in progress")
+_NAMED = ("keras_boost: stall: nothing heard from", )
+_RANK_TAG = re.compile(r"\[\d+,\d+\]<std(?:out|err)>:$")
 
 
 def run_launcher(command, grace=None, echo=True, relaunch=None):
@@ -182,7 +187,7 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
 
     Once a line of its output says that a worker is ending the job (keras_boost's stall
     watchdog, Open MPI's abort), the launcher gets `grace` seconds (`LAUNCHER_GRACE`) to
-    end by itself; after that its whole process group (mpirun, ssh, local workers) gets
+    end by itself, `NAMED_GRACE` once a worker has named a rank that went silent; after that its whole process group (mpirun, ssh, local workers) gets
     SIGTERM, then SIGKILL 5 s later, a line says why, and the status is the watchdog's 75.
     Ctrl-C and SIGTERM sent to this process are passed on to the group. A job that fails
     ends with a summary, after horovodrun's own traceback: the workers' lines that name a
@@ -213,10 +218,15 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
             if "at" not in ending and any(mark.encode() in line for mark in _ENDING):
                 ending["at"] = time.monotonic()
             text = line.decode(errors="replace").rstrip()
-            for mark in (LOST_MARK, "keras_boost: stall: nothing heard from"):
-                if mark in text and text[text.index(mark):] not in named:
-                    named.append(text[text.index(mark):])
-            if echo:
+            for mark in (LOST_MARK, *_NAMED):
+                # mpirun glues the next line's rank tag (`[1,0]<stderr>:`) to a line a worker ended with
+                said = _RANK_TAG.sub("", text[text.index(mark):]) if mark in text else None
+                if said and said not in named:
+                    named.append(said)
+            if any(mark in text for mark in _NAMED):
+                ending.setdefault("at", time.monotonic())
+                ending["grace"] = min(grace, NAMED_GRACE)
+            if echo and "killed" not in ending:  # not mpirun's own crash on the way out after SIGTERM
                 target.write(line)
                 target.flush()
         source.close()
@@ -240,10 +250,11 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if "at" in ending and time.monotonic() - ending["at"] > grace:
-                print(f"keras-boost: a worker ended the job {grace:.0f} s ago and the launcher is still waiting "
-                      "(under MPI: for the daemon of a host that lost its link); ending it.",
-                      file=sys.stderr, flush=True)
+            if "at" in ending and time.monotonic() - ending["at"] > ending.get("grace", grace):
+                print(f"keras-boost: a worker ended the job {ending.get('grace', grace):.0f} s ago and the launcher "
+                      "is still waiting (under MPI: for the daemon of a host that lost its link); ending it "
+                      "(its output stops here).", file=sys.stderr, flush=True)
+                ending["killed"] = True
                 _signal_group(process, signal.SIGTERM)
                 try:
                     process.wait(timeout=5)

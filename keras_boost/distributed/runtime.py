@@ -228,6 +228,10 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
         _state.hvd = hvd
         _state.comm = comm
         pin_gpu(hvd.local_rank(), hvd.local_size())
+        if _state.stall_timeout > 0 and comm is None:
+            from keras_boost.distributed.watchdog import serve_store
+
+            serve_store(hvd.rank(), hvd.size(), hvd.local_size(), hvd.broadcast_object)
     _state.initialized = True
     if _state.counting:
         _counter()  # made now, not inside a step's first trace (which would make tf.function trace it again)

@@ -10,10 +10,11 @@ guards end such a job within a bounded time (`distributed.init(stall_timeout=...
   shuts Horovod down, so the waiting workers raise and the launcher ends the job. This
   works under MPI; under Gloo (Horovod 0.28.1) it was seen never to fire.
 - `StallWatchdog`, which `BoostModel.fit` adds under a launcher: a daemon thread on every
-  worker that tracks where the worker is (`in train step 3 of epoch 0`, `in callbacks
+  worker that tracks where the worker is (`in train step 3 of epoch 1`, counted from 1 as Keras' progress shows them; `in callbacks
   after step 2`, ...). When that has not changed for `stall_timeout` seconds it prints
-  one line per rank (its own, and under Gloo every rank's, read from the launcher's
-  key-value store, where each worker's thread publishes its position when it changes)
+  one line per rank (its own, and every rank's, read from a key-value store, where each
+  worker's thread publishes its position when it changes and every few seconds: the Gloo
+  launcher's, else one that rank 0 serves, `serve_store`)
   naming the ranks that are behind, and ends the process with exit code 75; the
   launcher then ends the job. Under MPI it waits a few seconds longer than Horovod's
   shutdown, so Horovod's own message (which names the missing ranks) comes first.
@@ -34,12 +35,20 @@ STALL_EXIT_CODE = 75
 _SCOPE = "keras_boost_progress"
 
 
+STORE_ENV = "KERAS_BOOST_PROGRESS_STORE"  # "address:port" of the store rank 0 serves (`serve_store`)
+
+
 class _KeyValueStore:
-    """The Gloo launcher's rendezvous key-value store, when there is one."""
+    """Where the workers publish their positions: the Gloo launcher's rendezvous key-value store,
+    else the one rank 0 serves (`serve_store`: under MPI, `mpirun` and `srun`)."""
 
     def __init__(self):
         self.addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
         self.port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        self.owner = "the launcher"
+        if not (self.addr and self.port) and os.environ.get(STORE_ENV):
+            self.addr, _, self.port = os.environ[STORE_ENV].rpartition(":")
+            self.owner = "rank 0's progress store"
 
     @property
     def available(self):
@@ -160,19 +169,20 @@ class StallWatchdog(keras.callbacks.Callback):
         """Seconds since this worker's position last changed (None when not watching)."""
         return None if self._progress is None else time.monotonic() - self._progress.read()[2]
 
+    # Steps and epochs are named from 1, as Keras' progress lines show them (`Epoch 2/30`, `64/64`).
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._set(f"at the start of epoch {epoch}")
+        self._epoch = epoch + 1
+        self._set(f"at the start of epoch {self._epoch}")
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._batch = batch
-        self._set(f"in callbacks or user code before train step {batch} of epoch {self._epoch}")
+        self._batch = batch + 1
+        self._set(f"in callbacks or user code before train step {self._batch} of epoch {self._epoch}")
 
     def on_train_batch_end(self, batch, logs=None):
-        self._set(f"in callbacks or user code after train step {batch} of epoch {self._epoch}")
+        self._set(f"in callbacks or user code after train step {batch + 1} of epoch {self._epoch}")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._set(f"at the end of epoch {epoch} (validation, epoch-end callbacks)")
+        self._set(f"at the end of epoch {epoch + 1} (validation, epoch-end callbacks)")
 
     def on_test_begin(self, logs=None):
         self._set(f"in validation after epoch {self._epoch}")
@@ -280,6 +290,48 @@ def _others(store, rank, size, silent_after=30.0):
     return lines
 
 
+_served = {}
+
+
+def serve_store(rank, size, local_size, broadcast_object):
+    """Gives the workers a key-value store for their positions where the launcher has none.
+
+    Under Gloo, horovodrun's rendezvous store holds them. Under MPI (`horovodrun --mpi`,
+    `mpirun`, `srun`) there is none, so rank 0 serves one (Horovod's own `KVStoreServer`, a
+    daemon thread) and every rank learns its address from one broadcast; each rank keeps the
+    first of rank 0's addresses it can connect to. Called by `distributed.init` on every rank;
+    a store nobody can reach only leaves the messages without the other ranks' positions.
+    """
+    if size < 2 or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or STORE_ENV in os.environ:
+        return
+    offer = None
+    if rank == 0:
+        from horovod.runner.http.http_server import KVStoreServer
+
+        server = KVStoreServer(verbose=0)
+        port = server.start_server()
+        _served["server"] = server
+        offer = (_own_addresses(loopback_first=local_size == size), port)
+    addresses, port = broadcast_object(offer)
+    for address in addresses:
+        try:
+            socket.create_connection((address, port), timeout=1.0).close()
+        except OSError:
+            continue
+        os.environ[STORE_ENV] = f"{address}:{port}"
+        return
+
+
+def _own_addresses(loopback_first):
+    """This host's IPv4 addresses, the loopback one first when every worker is on this host."""
+    import psutil
+
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+    loopback = [a for a in found if a.startswith("127.")]
+    others = [a for a in found if not a.startswith("127.")]
+    return (loopback + others) if loopback_first else (others + loopback)
+
+
 # Every line that names a lost rank starts so; `keras-boost`'s launcher repeats them at its end.
 LOST_MARK = "keras_boost: lost: "
 
@@ -288,9 +340,10 @@ def abandoned_lines(rank, size, waited=None):
     """What a worker says when a collective of its fit was abandoned (Horovod shut down, Gloo timed out).
 
     Under Gloo every worker's watchdog republishes its position in the launcher's key-value
-    store every few seconds, so the ranks not heard of for a while are named with their hosts
-    and how long ago they were last heard of; a worker that cannot reach the store itself is
-    the one whose host lost its link. Under MPI there is no such store: the lines say so.
+    store every few seconds (under MPI in the one rank 0 serves), so the ranks not heard of for a
+    while are named with their hosts and how long ago they were last heard of; a worker that
+    cannot reach the store itself is the one whose host lost its link (or the store's host is).
+    Without a store the lines say so.
     """
     host = socket.gethostname()
     store = _KeyValueStore()
@@ -308,8 +361,8 @@ def abandoned_lines(rank, size, waited=None):
     try:
         table[rank] = json.loads(store.get(f"rank{rank}"))
     except Exception:  # noqa: BLE001 - this worker cannot reach the launcher's store: its own host is cut off
-        return [f"{head}: this worker cannot reach the launcher at {store.addr}: {host} lost its network link "
-                "(or the launcher's host died). " + relaunch]
+        return [f"{head}: this worker cannot reach {store.owner} at {store.addr}: {host} lost its network link "
+                f"(or the host of {store.owner} died). " + relaunch]
     for other in range(size):
         if other != rank:
             try:
