@@ -1,4 +1,7 @@
-"""The README's shell commands run as written, from the repository's folder, as a new user types them.
+"""The README's and getting-started's commands run as written, from the repository's folder, as a new
+user types them. (getting-started's commands for hosts named `node1`, `host1` and its Slurm commands
+run with this machine's hosts in tests/test_cli_hosts.py, tests/test_multihost.py and
+tests/test_slurm.py; its install block is what ./scripts/setup.sh does.)
 
 `.venv/` in a command is the environment this suite runs in (`.venv-tf2.18.1/` under
 `TF_VERSION=2.18.1 ./scripts/test.sh`), `python` and `horovodrun` are its own (an activated
@@ -17,6 +20,7 @@ from tests.launch import horovod_build_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+GETTING_STARTED = (ROOT / "docs" / "getting-started.md").read_text()
 
 
 def _venv_in_root():
@@ -90,3 +94,29 @@ def test_the_readme_many_hosts_commands(readme_cluster):
     result = shell(command, 600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "test_accuracy" in result.stdout, result.stdout[-3000:]
+
+
+def _python_block(text, containing):
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if containing in b]
+    assert len(blocks) == 1, (containing, len(blocks))
+    return blocks[0]
+
+
+def test_getting_started_custom_train_step_and_rank_zero_idioms(tmp_path):
+    """getting-started's custom `train_step` block and the block that continues it (rank 0 alone
+    evaluates, predicts and saves, then a barrier), as one train.py under its own launch line."""
+    code = _python_block(GETTING_STARTED, "class MyModel") + _python_block(GETTING_STARTED, "# continues: MyModel")
+    (tmp_path / "train.py").write_text(code)
+    launch = re.search(r"^(horovodrun -np 2 -H localhost:2 --gloo python train.py)$", GETTING_STARTED, re.M).group(1)
+    result = shell(launch, 300, cwd=tmp_path, env=horovod_build_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    evaluated = re.findall(r"\{'accuracy': ([0-9.]+), 'loss': ([0-9.]+)\}", result.stdout)
+    assert len(evaluated) == 1 and float(evaluated[0][0]) > 0.75, result.stdout[-3000:]  # rank 0 alone; it learnt
+    assert (tmp_path / "model.keras").stat().st_size > 0
+
+
+def test_getting_started_tf_data_options_block():
+    code = _python_block(GETTING_STARTED, "options.autotune.enabled = False")
+    result = subprocess.run([sys.executable, "-c", code + "\nprint(sum(1 for _ in dataset))"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.split()[-1] == "4", result.stdout + result.stderr
