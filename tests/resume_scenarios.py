@@ -79,6 +79,23 @@ def backup_and_restore(directory, crash_epoch=2):
     return reference, resumed
 
 
+def boost_state(model):
+    """Every boost variable by name (its path), and what every feature reports of its state
+    (`boost_step.logs()`: the loss scale, the overflow flag, the freezing group...), by key.
+
+    By name with equal key sets, not `zip`: a variable that one model lacks is a difference,
+    and a feature that keeps its state outside the boost state (so the backup misses it and
+    both models lack it) still shows in what the feature reports."""
+    variables = {v.path: keras.ops.convert_to_numpy(v) for v in model.boost_state.variables}
+    assert len(variables) == len(model.boost_state.variables), "two boost variables share a name"
+    reported = {f"logs/{key}": keras.ops.convert_to_numpy(value) for key, value in model.boost_step.logs().items()}
+    return {**variables, **reported}
+
+
 def identical(a, b):
-    return all(np.array_equal(u, v) for u, v in zip(weights(a), weights(b))) and all(
-        np.array_equal(np.array(u), np.array(v)) for u, v in zip(a.boost_state.variables, b.boost_state.variables))
+    state_a, state_b = boost_state(a), boost_state(b)
+    assert sorted(state_a) == sorted(state_b), (sorted(state_a), sorted(state_b))
+    differing = [name for name in state_a if not np.array_equal(state_a[name], state_b[name])]
+    assert not differing, {name: (state_a[name], state_b[name]) for name in differing}
+    assert len(weights(a)) == len(weights(b))
+    return all(np.array_equal(u, v) for u, v in zip(weights(a), weights(b)))

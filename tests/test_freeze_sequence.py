@@ -365,3 +365,33 @@ def test_gradient_freeze_defaults_and_config():
 def test_gradient_freeze_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         GradientFreeze(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["keras.Model", "BoostModel"])
+def test_freeze_opt_leaves_the_frozen_variables_and_their_momentum_untouched(kind):
+    """A step that trains group 1 changes neither group 0's weights nor group 0's momentum slots
+    (a zero gradient fed to a frozen variable would decay its momentum and move it)."""
+    from keras_boost import BoostModel
+    from tests.helpers import classification_data, mlp
+
+    net = mlp(BoostModel if kind == "BoostModel" else keras.Model)
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    variables = net.trainable_variables
+    groups = [variables[:2], variables[2:]]
+    net.compile(optimizer=FreezeOpt(sgd, groups, [0, 1]),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(n=32, seed=5)
+    net.train_on_batch(x[:16], y[:16])  # step 1 trains group 0: its momentum is not zero now
+
+    def frozen():
+        return ([v.numpy().copy() for v in groups[0]],
+                [sgd.momentums[sgd._get_variable_index(v)].numpy().copy() for v in groups[0]])
+
+    weights_before, momentum_before = frozen()
+    assert all(np.abs(m).max() > 0 for m in momentum_before)
+    trained_before = [v.numpy().copy() for v in groups[1]]
+    net.train_on_batch(x[16:], y[16:])  # step 2 trains group 1 alone
+    weights_after, momentum_after = frozen()
+    for before, after in zip(weights_before + momentum_before, weights_after + momentum_after):
+        np.testing.assert_array_equal(before, after)
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(trained_before, groups[1]))  # group 1 did train

@@ -7,6 +7,7 @@ accumulation, the pruned backward pass (counted in the traced graph) and bad inp
 
 import collections
 import threading
+import time
 
 import keras
 import numpy as np
@@ -301,6 +302,45 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
     assert len(traced) == 3  # steps 2 and 3 ran the traces made ahead: nothing traced again
     assert set(model.train_function.tracing_counts().values()) == {1}
     assert model.train_function._tracer is None  # fit ended it
+
+
+def test_a_group_that_fits_thread_reached_first_is_not_set_up_again():
+    """The background thread traces the groups ahead, then sets each up (one call on an empty
+    iterator). A group that fit's thread has run meanwhile is set up already: it is skipped."""
+    model = deep_mlp()
+    optimizer = keras.optimizers.SGD(0.05)
+    model.compile(optimizer=optimizer, loss=LOSS,
+                  gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 3), [2, 2, 0, 1]))
+    function = model.make_train_function()
+    function.trace_ahead = True
+    gate, held = threading.Event(), []
+    set_up = function._set_up
+
+    def held_set_up(branch, *args):
+        if not held:  # the first set-up waits until fit's thread has run the groups ahead itself
+            held.append(branch)
+            assert gate.wait(120)
+        return set_up(branch, *args)
+
+    function._set_up = held_set_up
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:  # let the thread trace groups 0 and 1 (it traces while a step runs)
+                function._in_step.set()
+                deadline = time.monotonic() + 120
+                while function.traced_ahead != [0, 1] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                function._in_step.clear()
+            if batch == 3:  # steps 3 and 4 trained groups 0 and 1 on this thread
+                gate.set()
+                function._tracer.join(timeout=120)
+
+    x, y = classification_data(n=16 * 4, seed=3)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Steps()])
+    assert function.traced_ahead == [0, 1] and held == [0]
+    assert function.set_up_ahead == [0], function.set_up_ahead  # group 1 had run: not set up after the fact
+    assert int(model.optimizer.iterations.numpy()) == 4
 
 
 def test_the_model_waits_for_a_trace_of_the_background_thread():
