@@ -241,8 +241,7 @@ def without_epoch_stalls(arguments):
 
     Keras feeds NumPy arrays through a `tf.data` pipeline (its `ArrayDataAdapter`) and makes a
     new iterator of it every epoch. With tf.data's autotuning on (its default), destroying the
-    previous epoch's iterator waits for autotuning's thread to stop, 0.5-1.3 s on this machine,
-    on the main thread, at the start of every epoch; under several workers the others wait
+    previous epoch's iterator waits for autotuning's thread to stop, on the main thread, at the start of every epoch; under several workers the others wait
     for it in their first collective (docs/benchmarks.md, "Epoch-start stalls"). The pipeline
     gathers batches from memory, which autotuning does not speed up. So the arrays go to Keras'
     fit as the dataset Keras' own adapter makes of them (the same batches, the same shuffling,

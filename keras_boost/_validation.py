@@ -78,12 +78,6 @@ def check_choice(name, value, choices):
     raise ValueError(f"`{name}` must be one of {list(choices)}, {_got(value)}.")
 
 
-def check_instance(name, value, types, allowed):
-    if not isinstance(value, types):
-        raise TypeError(f"`{name}` must be {allowed}, {_got(value)}.")
-    return value
-
-
 def check_split_points(points, name="gradient_split_groups"):
     """None or strictly increasing positive ints (indices where a new fused allreduce starts), or "each"."""
     if points is None:

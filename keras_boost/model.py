@@ -46,9 +46,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         adasum: True, or an `AdaSum` stage (False: off).
         nan_guard: True: without loss scaling, stop `fit` with `FloatingPointError` at the
             first update whose averaged gradient is not finite, before it reaches the
-            weights (every update then waits for a check of all gradients: 0-5% of the
-            step, by series, on the families measured). Default False: the update is
-            applied, as keras.Model does.
+            weights (every update then waits for a check of all gradients; its cost is
+            in docs/benchmarks.md). Default False: the update is applied, as keras.Model does.
         gradient_split_groups: None (one grouped allreduce per update), "each" (one allreduce per gradient, sent as soon as it exists) or increasing indices
             into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).

@@ -14,8 +14,7 @@ is built) choose, for the boost levels O1 and O2:
   default on such CPUs; `TF_ENABLE_ONEDNN_OPTS=0` turns them off), where oneDNN runs
   bfloat16 convolutions and matrix products in hardware (measured in docs/benchmarks.md,
   "Mixed precision on CPUs"); float32 on every other CPU, and with oneDNN off, where
-  bfloat16 is emulated and many times slower (0.07x on an AVX2 CPU; 14x slower steps on
-  this AVX512-BF16 machine with `TF_ENABLE_ONEDNN_OPTS=0`);
+  bfloat16 is emulated and many times slower (docs/benchmarks.md);
 - float32 at level O0, which stays plain Keras, and wherever the hardware is unknown.
 """
 

@@ -223,7 +223,7 @@ def test_logs_carry_overflow_and_scale():
 
 
 def test_all_finite_sees_every_non_finite_entry_and_no_false_alarm():
-    from keras_boost.stages.loss_scale import all_finite
+    from keras_boost.core.contract import all_finite
 
     big = tf.fill([100], 3e36)  # each sums to 3e38 (finite); a float32 sum over both tensors would overflow
     assert bool(all_finite([big, big, None, tf.constant([[1.0, 2.0]], tf.float64)]))

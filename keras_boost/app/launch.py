@@ -149,7 +149,7 @@ def horovodrun_command(np_workers, controller, arguments, hosts=None, network_in
     horovodrun's `--network-interface` (Gloo's interface, Open MPI's `btl_tcp_if_include`
     and NCCL's socket interface); `start_timeout`: horovodrun's `--start-timeout` (default
     HOSTS_START_TIMEOUT with hosts, unless HOROVOD_START_TIMEOUT is set; horovodrun's own
-    30 s on this machine alone).
+    default on this machine alone).
     """
     horovodrun = horovodrun_path()
     if horovodrun is None:
@@ -170,8 +170,8 @@ def horovodrun_command(np_workers, controller, arguments, hosts=None, network_in
 # After a worker has ended the job (the stall watchdog's exit), the launcher should end
 # within seconds. Under Open MPI a host that lost its link keeps `mpirun`'s abort waiting on
 # that host's daemon ("abort is already in progress"): in two tries on namespace hosts it
-# was still waiting 154 and 279 s later, when an outer `timeout` ended it (Open MPI's own
-# timeouts for a lost daemon: TCP retransmission, about 15 min). So `keras-boost` watches
+# was still waiting minutes later (Open MPI's own timeout for a lost daemon is TCP's
+# retransmission, about 15 min; docs/reliability.md). So `keras-boost` watches
 # its launcher's output and ends it `LAUNCHER_GRACE` seconds after such a line.
 LAUNCHER_GRACE = 60.0
 # Once a worker has named a rank that nothing was heard from (its host is gone), nothing more

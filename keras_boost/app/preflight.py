@@ -171,14 +171,6 @@ def shared_interfaces(hosts):
     return shared
 
 
-def interface_address(host_facts, name):
-    """The host's first non-loopback IPv4 address on interface `name`, or None."""
-    for entry in host_facts.get("interfaces") or []:
-        if entry["name"] == name and not is_loopback(entry["address"]):
-            return entry["address"]
-    return None
-
-
 # ------------------------------------------------------------------ pure: problems
 def _problem(host, kind, message):
     return {"host": host, "kind": kind, "message": message}

@@ -6,9 +6,8 @@ a configuration against another only like this:
 
 - every run is its own process (`run_once`): a fresh TensorFlow, nothing shared;
 - the configurations take turns, round after round, and the order rotates by one from a
-  round to the next (`turn_order`), so that none is always first: on the many-host
-  benchmark a fixed order measured the configuration always run first at 0.87x of the one
-  run third, with the same code;
+  round to the next (`turn_order`), so that none is always first (with a fixed order the
+  configuration run first was measured slower than the same code run later);
 - each figure is the median over the rounds, with the range beside it (`median`,
   `spread`, `median_range`).
 

@@ -429,7 +429,3 @@ def progress_callbacks(model, callbacks, verbose):
 # step is built.
 _BOOST_LOG_KEYS = {"loss_scale", "overflow", "freeze_group"}
 
-
-def quiet_tensorflow():
-    """Keeps TensorFlow's C++ start-up lines out of the CLI's output (unless the user set the level)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

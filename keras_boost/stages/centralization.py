@@ -159,8 +159,8 @@ class GradientCentralization(Stage):
     def verdict(self, times, alone):
         share = alone["centralize"] / times[0]
         # Timed alone, GC reads gradients that are out of cache; in the step each one is
-        # centred right after the backward pass wrote it, beside the layers still to go:
-        # on ResNet50 4% of the step against 7.5% alone (docs/benchmarks.md). An upper bound.
+        # centred right after the backward pass wrote it, beside the layers still to go, and
+        # costs less there (docs/benchmarks.md). So this is an upper bound.
         return True, (f"centralizing costs at most {1000 * alone['centralize']:.1f} ms of a {1000 * times[0]:.1f} ms "
                       f"step ({100 * share:.1f}%, timed alone; less inside the step); kept for accuracy, since LessBN "
                       f"removed {self._removed_batchnorms} BatchNormalization layers")
@@ -223,9 +223,7 @@ def centralize(grad, sums=None, shape=None):
 
     The means are one matrix product, `ones(1, n) @ grad` with `grad` seen as `(n, channels)`
     (a free reshape: the channels are the last axis), which TensorFlow's CPU matmul runs
-    at memory speed on every core: on ResNet50's 23.5 M centralised values 12.0 ms against
-    `tf.reduce_mean`'s 20.3 ms, and the step's GC and fused update 30.7 against 40.3 ms
-    (`scripts/experiments/bench_fused_update.py --gc-forms`; docs/benchmarks.md). The
+    at memory speed on every core, faster than `tf.reduce_mean` (docs/benchmarks.md). The
     results agree within float32 rounding (the sums run in another order). `sums`: those
     sums computed before (`column_sums(grad)`), or None to compute them here.
 

@@ -6,8 +6,8 @@ weights), DenseNet121's last block, MobileNetV2's and EfficientNetB0's last laye
 convolution is a matrix product: of the kernel's taps only those that meet the input
 (the centre tap of a 3x3 kernel with `padding="same"` on a 1x1 map) add anything, and the
 others meet only padding. TensorFlow still runs it as a convolution, and its kernels are
-slow on one-pixel maps: with oneDNN, the weight gradients of ResNet50's `conv5` took 150-170
-of a 595 ms step's op time on this repository's machine (docs/benchmarks.md).
+slow on one-pixel maps: with oneDNN, the weight gradients of ResNet50's `conv5` take a
+large share of the step's op time (docs/conv_matmul.md).
 
 `BoostModel.compile(conv_matmul=True)`, and the boost levels O1 and O2, compute each such
 convolution inside the boost step's forward pass as one matrix product of the input pixels

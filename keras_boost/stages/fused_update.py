@@ -7,9 +7,8 @@ assign-add: each a pass over the variable): `ResourceApplyKerasMomentum` (`m = m
 m - lr * g; w += m`, Nesterov too), `ResourceApplyGradientDescent` (`w -= lr * g`) and
 `ResourceApplyAdam` (Keras' Adam formula, `alpha = lr * sqrt(1 - beta_2^t) / (1 -
 beta_1^t)`), the kernels tf.keras used before Keras 3. MindSpore's optimizers are such
-kernels (`ApplyMomentum`, `Adam`). On ResNet50 (25.6 M parameters) on a 2-core CPU, SGD
-with momentum takes about 11 ms per update instead of 21 ms (docs/benchmarks.md, "The
-fused update").
+kernels (`ApplyMomentum`, `Adam`): one kernel per variable instead of several element-wise
+ops (what it saves: docs/fused_update.md).
 
 It is an `around_update` stage: the optimizer's `update_step` is the kernel form while
 the step's `apply_update` runs (the default's `optimizer.apply`, or AdaSum's local step).

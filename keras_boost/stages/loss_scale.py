@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from keras_boost._validation import alias, check_bool, check_int, check_real
 from keras_boost.core.adapter import keras_loss_scale_optimizer
-from keras_boost.core.contract import Stage, all_finite, map_values  # noqa: F401 (all_finite: its home was here)
+from keras_boost.core.contract import Stage, map_values
 
 DEFAULT_INIT_SCALE = 2.0**15
 

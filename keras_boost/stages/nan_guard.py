@@ -4,9 +4,9 @@ MindSpore and Keras apply whatever gradient they get unless a loss scale is on, 
 does the boost step by default. With the guard, keras_boost keeps a non-finite averaged
 gradient out of the weights (the decision is the same on every worker, because the
 averaged gradients are) and counts it; `BoostModel.fit` then stops with
-`FloatingPointError` at that batch. Off by default since December 5, 2026: every update
-waits for the check of all gradients, 0-5% of the step (by series) on the families measured
-(docs/benchmarks.md). With a loss scale, the loss scale makes this decision instead.
+`FloatingPointError` at that batch. Off by default: every update waits for the check of all
+gradients (its cost: docs/benchmarks.md). With a loss scale, the loss scale makes this
+decision instead.
 """
 
 import tensorflow as tf

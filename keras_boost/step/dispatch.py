@@ -32,7 +32,7 @@ the group's first step.
 The thread needs a core that the steps leave free: it runs where this process has at
 least two cores per worker on its host (`os.sched_getaffinity`, Horovod's `local_size`).
 Two workers on two cores have none to spare, and there tracing ahead made EfficientNetB0's
-first epoch longer (45.5 against 41.8 s, docs/benchmarks.md). `KERAS_BOOST_TRACE_AHEAD`
+first epoch longer (docs/freeze.md). `KERAS_BOOST_TRACE_AHEAD`
 says otherwise: `1` traces ahead always, `0` never (each group's step is traced when the
 group first trains), `auto` (the default) by the rule above.
 """

@@ -12,8 +12,6 @@ from keras_boost.stages.freeze.sequence import (CONTINUOUS_STRATEGY, INTERVAL_ST
                                                  generate_freeze_index_sequence)
 from keras_boost.stages.freeze.stage import FreezeStage
 
-FreezeSchedule = FreezeStage  # its name until December 2026: .keras files saved then name it so
-
-__all__ = ["CONTINUOUS_STRATEGY", "INTERVAL_STRATEGY", "FreezeBranch", "FreezeOpt", "FreezePlan", "FreezeSchedule",
+__all__ = ["CONTINUOUS_STRATEGY", "INTERVAL_STRATEGY", "FreezeBranch", "FreezeOpt", "FreezePlan",
            "FreezeStage", "GradientFreeze", "freeze_cell", "frozen_share", "generate_freeze_index_sequence",
            "split_parameters_groups"]

@@ -32,8 +32,8 @@ class FreezeStage(Stage):
     # A level's freezing also needs LessBN to have removed a BatchNorm: on its partial steps
     # the frozen layers skip their update, which costs accuracy in a fit of a given length,
     # and on the families where O1 kept or gained accuracy, LessBN (the FN head, GC) made up
-    # for it. Alone, on keras-io's ConvMixer (no BatchNorm removed), O1 was below O0 in 10 of 14
-    # runs, by a median 0.9 pp (docs/benchmarks.md). So on a model where LessBN removed none
+    # for it. Alone, on keras-io's ConvMixer (no BatchNorm removed), O1 was below O0 in most
+    # runs (docs/freeze.md). So on a model where LessBN removed none
     # (or is off) a level's freezing is switched off when the step is built, with one line.
     # An explicit freezing, or one whose `grad_freeze` section the configuration gives, stays.
 
