@@ -27,7 +27,7 @@ from keras_boost import distributed, optimizers, step  # noqa: E402
 from keras_boost.mindspore.auto_boost import AutoBoost
 from keras_boost.mindspore.params import OptimizerProcess, ParameterProcess
 from keras_boost.config import MINDSPORE_DEFAULTS
-from keras_boost.distributed import callbacks, elastic
+from keras_boost import callbacks, elastic
 from keras_boost.graph.layers import FNHead
 from keras_boost.graph.less_bn import LessBN
 from keras_boost.model import BoostModel
@@ -39,11 +39,6 @@ from keras_boost.stages.hierarchical import HierarchicalAllreduce
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
 from keras_boost.mindspore.cells import AdaSum, BoostTrainOneStep, BoostTrainOneStepWithLossScale, GradientAccumulation
 from keras_boost.core.state import BoostState
-
-# `keras_boost.callbacks` and `keras_boost.elastic` are public module paths too
-# (`from keras_boost.callbacks import BackupAndRestore`); they live in distributed/.
-_sys.modules[__name__ + ".callbacks"] = callbacks
-_sys.modules[__name__ + ".elastic"] = elastic
 
 from keras_boost._version import __version__  # noqa: E402,F401
 

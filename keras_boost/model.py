@@ -113,7 +113,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
                 gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
                 nan_guard=False, stages=(), **kwargs):
-        from keras_boost.distributed.dropin import make_distributed_optimizer
+        from keras_boost.fit.dropin import make_distributed_optimizer
 
         given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
                  "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
@@ -145,7 +145,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     # ---------------------------------------------------------------- saving
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
         """Keras' `save`; on several workers the file is written whole (`dropin.write_whole`)."""
-        from keras_boost.distributed import dropin
+        from keras_boost.fit import dropin
 
         if not overwrite or zipped is False:  # Keras' prompt reads the target; a folder is not one file
             return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
@@ -154,7 +154,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Keras' `save_weights`; on several workers the file is written whole (`dropin.write_whole`)."""
-        from keras_boost.distributed import dropin
+        from keras_boost.fit import dropin
 
         if not overwrite or max_shard_size is not None:  # the prompt; sharded weights are several files
             return super().save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
@@ -234,7 +234,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         return self.boost_step.train_step(data, branch)
 
     def make_train_function(self, force=False):
-        from keras_boost.distributed.dropin import without_jit_for_collectives
+        from keras_boost.fit.dropin import without_jit_for_collectives
         from keras_boost.step.dispatch import BranchTrainFunction
 
         if self.train_function is not None and not force:
@@ -263,10 +263,10 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 self.train_function.finish_tracing()  # the freeze groups' steps traced in the background
 
     def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
-        from keras_boost.distributed import dropin
-        from keras_boost.distributed.callbacks import (AverageBatchNormStatistics, BroadcastGlobalVariablesCallback,
+        from keras_boost.fit import dropin
+        from keras_boost.fit.callbacks import (AverageBatchNormStatistics, BroadcastGlobalVariablesCallback,
                                                        NonFiniteGuard, StopTogether)
-        from keras_boost.distributed.elastic import elastic_launch
+        from keras_boost.fit.elastic import elastic_launch
 
         callbacks = list(callbacks or [])
         if self.boost_step is not None and self.boost_step.nan_guard:
@@ -286,7 +286,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         if distributed.size() > 1:
             # One collective before the first one of fit: same configuration everywhere
             # (ValueError otherwise), and the same number of steps per epoch (uneven data).
-            from keras_boost.distributed import data_sync, watchdog
+            from keras_boost.fit import data_sync, watchdog
 
             guard = watchdog.StallWatchdog()
             callbacks.insert(0, guard)
@@ -338,7 +338,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         stages = [s for s in step.stages if s.switch is not None and s.is_on()]
         if not stages:
             return None
-        from keras_boost.distributed.elastic import elastic_launch
+        from keras_boost.fit.elastic import elastic_launch
 
         why = None
         if self.steps_per_execution > 1:
@@ -369,7 +369,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         when the workers hold different numbers); `CollectiveMismatch` at once where another
         worker reached a different call that needs every worker.
         """
-        from keras_boost.distributed import dropin
+        from keras_boost.fit import dropin
 
         in_fit = bool(kwargs.get("_use_cached_eval_dataset", False))
         if across_workers is None:
@@ -404,7 +404,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         When the other workers have already finished (`evaluate(across_workers=True)` on one
         rank at the end of a script), this worker's own results, with one warning.
         """
-        from keras_boost.distributed import dropin
+        from keras_boost.fit import dropin
 
         results = super().get_metrics_result()
         if tf.inside_function() or distributed.size() == 1 or not results or self.__dict__.get("_local_metrics"):
@@ -412,7 +412,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         # The workers' metric states are summed, so every sample weighs the same even when
         # the workers evaluated different numbers of samples (uneven data); once the others
         # have finished (rank-0-only evaluate), this worker's own results.
-        from keras_boost.distributed import data_sync
+        from keras_boost.fit import data_sync
 
         try:
             results = data_sync.metrics_result(self, super().get_metrics_result)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from keras_boost.app import cli, launch, preflight
-from keras_boost.distributed import data_sync, dropin, hosts
+from keras_boost.distributed import hosts
+from keras_boost.fit import data_sync, dropin
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_boost import BoostModel, distributed
-from keras_boost.distributed import data_sync, watchdog
+from keras_boost.fit import data_sync, watchdog
 from tests.helpers import compile_sgd, mlp
 
 

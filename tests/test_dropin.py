@@ -10,7 +10,7 @@ from keras import ops
 
 import keras_boost
 from keras_boost import BoostModel
-from keras_boost.distributed import dropin
+from keras_boost.fit import dropin
 from tests.helpers import classification_data, compile_sgd, max_diff, mlp, weights
 
 

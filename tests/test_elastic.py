@@ -22,7 +22,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_boost import BoostModel, elastic
+from keras_boost import BoostModel
+from keras_boost.fit import elastic
 from tests.helpers import classification_data, compile_sgd, mlp
 from tests.launch import ROOT, WORKERS, horovod_build_env, horovodrun_command, results
 

@@ -86,6 +86,7 @@ LAYERS = (
      "keras_boost._keras_compat", "keras_boost.config", "keras_boost.precision"},
     {"keras_boost.core"},
     {"keras_boost.distributed", "keras_boost.graph"},
+    {"keras_boost.fit", "keras_boost.callbacks", "keras_boost.elastic"},
     {"keras_boost.stages"},
     {"keras_boost.optimizers"},
     {"keras_boost.step"},

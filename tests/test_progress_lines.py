@@ -4,7 +4,7 @@ import keras
 import numpy as np
 
 import keras_boost
-from keras_boost.distributed.dropin import LineProgressLogger
+from keras_boost.fit.dropin import LineProgressLogger
 
 
 class Clock:

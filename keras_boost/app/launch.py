@@ -198,13 +198,13 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
     import threading
     import time
 
-    from keras_boost.distributed.watchdog import STALL_EXIT_CODE
+    from keras_boost.fit.watchdog import STALL_EXIT_CODE
 
     grace = LAUNCHER_GRACE if grace is None else float(grace)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     ending = {}
 
-    from keras_boost.distributed.watchdog import LOST_MARK
+    from keras_boost.fit.watchdog import LOST_MARK
 
     named = []  # the workers' lines that name a lost rank, for the summary
 

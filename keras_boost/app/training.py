@@ -10,8 +10,8 @@ import numpy as np
 from keras_boost import distributed
 from keras_boost.app import data
 from keras_boost.config import read_config
-from keras_boost.distributed import callbacks as boost_callbacks
-from keras_boost.distributed.callbacks import rank_zero_only
+from keras_boost.fit import callbacks as boost_callbacks
+from keras_boost.fit.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
 from keras_boost.stages.fused_update import why_not_fused
 from keras_boost.app.demo_net import demo_resnet

@@ -155,7 +155,7 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
             (`mpirun`, `srun`, or `horovodrun --mpi`).
         stall_timeout: seconds after which a worker that waits for the others (or that
             stopped calling collectives) ends the job with a message naming the ranks and
-            where each one is (`keras_boost.distributed.watchdog`, and Horovod's stall
+            where each one is (`keras_boost.fit.watchdog`, and Horovod's stall
             inspector: `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`). None: `$KERAS_BOOST_STALL_TIMEOUT`,
             else `$HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, else 600 s; 0: never. Only the first
             call (the one that initialises) sets it.
@@ -229,12 +229,21 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
         _state.comm = comm
         pin_gpu(hvd.local_rank(), hvd.local_size())
         if _state.stall_timeout > 0 and comm is None:
-            from keras_boost.distributed.watchdog import serve_store
+            from keras_boost.distributed.progress_store import serve_store
 
             serve_store(hvd.rank(), hvd.size(), hvd.local_size(), hvd.broadcast_object)
     _state.initialized = True
     if _state.counting:
         _counter()  # made now, not inside a step's first trace (which would make tf.function trace it again)
+
+
+def horovod_version():
+    """The installed Horovod's version, or None where it cannot be imported."""
+    try:
+        import horovod
+    except ImportError:  # pragma: no cover - a launch without Horovod has one worker
+        return None
+    return horovod.__version__
 
 
 def stall_check_seconds(shutdown):

@@ -334,7 +334,7 @@ class BranchTrainFunction:
         self._built = True
         if not model.boost_step.plans_branches():
             # One group after all, or a selecting stage that cannot say its branches ahead.
-            from keras_boost.distributed.dropin import without_jit_for_collectives
+            from keras_boost.fit.dropin import without_jit_for_collectives
 
             with without_jit_for_collectives(model):
                 self._fallback = _keras_compat.make_keras_train_function(model, model.train_step)

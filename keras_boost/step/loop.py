@@ -117,7 +117,7 @@ class BoostStep:
         """Builds the optimizer and every stage (eagerly), in registry order.
 
         `later`: options of stages not built now (elastic training builds AdaSum's process
-        sets at the workers' first agreement, `distributed/elastic.py`).
+        sets at the workers' first agreement, `fit/elastic.py`).
         """
         if self.built:
             return

@@ -14,7 +14,7 @@ guards end such a job within a bounded time (`distributed.init(stall_timeout=...
   after step 2`, ...). When that has not changed for `stall_timeout` seconds it prints
   one line per rank (its own, and every rank's, read from a key-value store, where each
   worker's thread publishes its position when it changes and every few seconds: the Gloo
-  launcher's, else one that rank 0 serves, `serve_store`)
+  launcher's, else one that rank 0 serves, `distributed.progress_store`)
   naming the ranks that are behind, and ends the process with exit code 75; the
   launcher then ends the job. Under MPI it waits a few seconds longer than Horovod's
   shutdown, so Horovod's own message (which names the missing ranks) comes first.
@@ -30,52 +30,9 @@ import time
 import keras
 
 from keras_boost import distributed
+from keras_boost.distributed.progress_store import ProgressStore
 
 STALL_EXIT_CODE = 75
-_SCOPE = "keras_boost_progress"
-
-
-STORE_ENV = "KERAS_BOOST_PROGRESS_STORE"  # "address:port" of the store rank 0 serves (`serve_store`)
-
-
-class _KeyValueStore:
-    """Where the workers publish their positions: the Gloo launcher's rendezvous key-value store,
-    else the one rank 0 serves (`serve_store`: under MPI, `mpirun` and `srun`)."""
-
-    def __init__(self):
-        self.addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-        self.port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        self.owner = "the launcher"
-        if not (self.addr and self.port) and os.environ.get(STORE_ENV):
-            self.addr, _, self.port = os.environ[STORE_ENV].rpartition(":")
-            self.owner = "rank 0's progress store"
-
-    @property
-    def available(self):
-        return bool(self.addr and self.port)
-
-    # Horovod's own client (horovod.runner.http.http_client) waits without a bound; a worker
-    # whose host lost its link would block in it instead of ending its process.
-    TIMEOUT = 3.0
-
-    def _url(self, key):
-        return f"http://{self.addr}:{self.port}/{_SCOPE}/{key}"
-
-    def put(self, key, value):
-        from urllib.request import Request, urlopen
-
-        from horovod.runner.common.util import codec
-
-        request = Request(self._url(key), data=codec.dumps_base64(value, to_ascii=False), method="PUT")
-        urlopen(request, timeout=self.TIMEOUT).close()
-
-    def get(self, key):
-        from urllib.request import urlopen
-
-        from horovod.runner.common.util import codec
-
-        with urlopen(self._url(key), timeout=self.TIMEOUT) as response:
-            return codec.loads_base64(response.read())
 
 
 class _Progress:
@@ -142,7 +99,7 @@ class StallWatchdog(keras.callbacks.Callback):
         fire_after = timeout + (distributed.stall_check_seconds(timeout) + 5 if mpi else 0)
         self._thread = threading.Thread(
             target=_watch, args=(self._progress, self._stop, fire_after, timeout, distributed.rank(),
-                                 distributed.size(), _KeyValueStore()),
+                                 distributed.size(), ProgressStore()),
             name="keras_boost-stall-watchdog", daemon=True)
         self._thread.start()
 
@@ -290,48 +247,6 @@ def _others(store, rank, size, silent_after=30.0):
     return lines
 
 
-_served = {}
-
-
-def serve_store(rank, size, local_size, broadcast_object):
-    """Gives the workers a key-value store for their positions where the launcher has none.
-
-    Under Gloo, horovodrun's rendezvous store holds them. Under MPI (`horovodrun --mpi`,
-    `mpirun`, `srun`) there is none, so rank 0 serves one (Horovod's own `KVStoreServer`, a
-    daemon thread) and every rank learns its address from one broadcast; each rank keeps the
-    first of rank 0's addresses it can connect to. Called by `distributed.init` on every rank;
-    a store nobody can reach only leaves the messages without the other ranks' positions.
-    """
-    if size < 2 or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or STORE_ENV in os.environ:
-        return
-    offer = None
-    if rank == 0:
-        from horovod.runner.http.http_server import KVStoreServer
-
-        server = KVStoreServer(verbose=0)
-        port = server.start_server()
-        _served["server"] = server
-        offer = (_own_addresses(loopback_first=local_size == size), port)
-    addresses, port = broadcast_object(offer)
-    for address in addresses:
-        try:
-            socket.create_connection((address, port), timeout=1.0).close()
-        except OSError:
-            continue
-        os.environ[STORE_ENV] = f"{address}:{port}"
-        return
-
-
-def _own_addresses(loopback_first):
-    """This host's IPv4 addresses, the loopback one first when every worker is on this host."""
-    import psutil
-
-    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
-    loopback = [a for a in found if a.startswith("127.")]
-    others = [a for a in found if not a.startswith("127.")]
-    return (loopback + others) if loopback_first else (others + loopback)
-
-
 # Every line that names a lost rank starts so; `keras-boost`'s launcher repeats them at its end.
 LOST_MARK = "keras_boost: lost: "
 
@@ -346,7 +261,7 @@ def abandoned_lines(rank, size, waited=None):
     Without a store the lines say so.
     """
     host = socket.gethostname()
-    store = _KeyValueStore()
+    store = ProgressStore()
     waited_text = f" after waiting {waited:.0f} s" if waited is not None else ""
     head = f"{LOST_MARK}rank {rank} of {size} on {host}: a collective of fit was abandoned{waited_text}"
     relaunch = ("Check that host (`keras-boost info --hosts ...`), then relaunch the same command: a "
@@ -370,7 +285,7 @@ def abandoned_lines(rank, size, waited=None):
             except Exception:  # noqa: BLE001
                 table[other] = None
     silent = [r for r, entry in table.items()
-              if r != rank and (entry is None or now - entry["time"] > 2 * beat + _KeyValueStore.TIMEOUT)]
+              if r != rank and (entry is None or now - entry["time"] > 2 * beat + ProgressStore.TIMEOUT)]
     if not silent:
         return [f"{head}: every other rank was heard from in the last {2 * beat:.0f} s, so none lost its link; "
                 "another worker raised (its error is above) or ended its script. " + relaunch]

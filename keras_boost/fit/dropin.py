@@ -209,7 +209,7 @@ def one_writer_per_file(callbacks, gathered, rank):
 
     Returns the lines to print (rank 0 prints them), one per kind of change.
     """
-    from keras_boost.distributed.callbacks import BackupAndRestore
+    from keras_boost.fit.callbacks import BackupAndRestore
 
     size = len(gathered)
     holders = {}  # (kind, path): the ranks that give it, in order

@@ -43,9 +43,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_boost import distributed
+from keras_boost.distributed import elastic_support
 from keras_boost._validation import check_int
 from keras_boost.core.state import training_variables
-from keras_boost.distributed.callbacks import BroadcastGlobalVariablesCallback
+from keras_boost.fit.callbacks import BroadcastGlobalVariablesCallback
 
 logger = logging.getLogger("keras_boost")
 
@@ -94,9 +95,7 @@ def _broadcast_object(obj):
 def _state_base():
     """`horovod.common.elastic.ObjectState` when Horovod can be imported, a minimal stand-in otherwise."""
     if distributed.launched():
-        from horovod.common.elastic import ObjectState
-
-        return ObjectState
+        return elastic_support.object_state_class()
     return _LocalObjectState
 
 
@@ -265,9 +264,7 @@ def _rebuild_adasum(model):
 
 # ------------------------------------------------------------------- run
 def _is_horovod_failure(error):
-    from horovod.common.exceptions import HorovodInternalError
-
-    if isinstance(error, HorovodInternalError):
+    if isinstance(error, elastic_support.internal_error_class()):
         return True
     if isinstance(error, tf.errors.OpError):
         return any(word in line for line in _failure_lines(error) for word in _HOROVOD_FAILURE_WORDS)
@@ -310,8 +307,7 @@ def run(func):
     if not elastic_launch():
         return call_once
 
-    from horovod.common.elastic import run_fn
-    from horovod.common.exceptions import HorovodInternalError
+    HorovodInternalError = elastic_support.internal_error_class()  # noqa: N806 - Horovod's class
 
     def translated(state, *args, **kwargs):
         try:
@@ -326,7 +322,7 @@ def run(func):
                 raise HorovodInternalError(error) from error
             raise
 
-    return run_fn(translated, _reset_horovod)
+    return elastic_support.run_fn(translated, _reset_horovod)
 
 
 # -------------------------------------------------------------- callback

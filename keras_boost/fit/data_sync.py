@@ -80,14 +80,8 @@ def package_versions():
     """The versions that must agree across workers: Python, TensorFlow, Keras, Horovod, keras_boost."""
     from keras_boost._version import __version__
 
-    try:
-        import horovod
-
-        horovod_version = horovod.__version__
-    except ImportError:  # pragma: no cover - a launch without Horovod has one worker
-        horovod_version = None
     return {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-            "horovod": horovod_version, "keras_boost": __version__}
+            "horovod": distributed.horovod_version(), "keras_boost": __version__}
 
 
 def fingerprint(model, fit_args):
@@ -206,7 +200,7 @@ def check_agreement(model, fit_args, local_steps, callbacks=None, samples=None):
     (`dropin.one_writer_per_file`), and rank 0 prints what changed. `samples`: this
     worker's `sample_digest`; rank 0 says when every worker was given the same arrays.
     """
-    from keras_boost.distributed import dropin
+    from keras_boost.fit import dropin
 
     mine = {"print": fingerprint(model, fit_args), "steps": int(local_steps),
             "writes": dropin.written_paths(callbacks or []), "samples": samples}

@@ -436,3 +436,8 @@ class BackupAndRestore(_keras_compat.BackupAndRestoreBase):
         distributed.barrier()  # nobody deletes the backup while another worker may still read it
         if distributed.rank() == 0:
             super().on_train_end(logs)
+
+
+__all__ = ["AverageBatchNormStatistics", "BackupAndRestore", "BoostScalarsCallback", "BroadcastGlobalVariablesCallback",
+           "LearningRateWarmupCallback", "MetricAverageCallback", "NonFiniteGuard", "StopTogether", "WarmupSchedule",
+           "rank_zero_only"]
