@@ -37,7 +37,9 @@ from keras_boost.stages.freeze import (FreezeOpt, GradientFreeze, freeze_cell, g
                                        split_parameters_groups)
 from keras_boost.stages.hierarchical import HierarchicalAllreduce
 from keras_boost.stages.loss_scale import DynamicLossScale, FixedLossScale
-from keras_boost.mindspore.cells import AdaSum, BoostTrainOneStep, BoostTrainOneStepWithLossScale, GradientAccumulation
+from keras_boost.mindspore.cells import BoostTrainOneStep, BoostTrainOneStepWithLossScale
+from keras_boost.stages.accumulation import GradientAccumulation
+from keras_boost.stages.adasum import AdaSum
 from keras_boost.core.state import BoostState
 
 from keras_boost._version import __version__  # noqa: E402,F401

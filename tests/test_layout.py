@@ -133,3 +133,14 @@ def test_the_loop_imports_no_stage():
     """The loop knows the hook points, not the features: its stages come from the registry."""
     imported = _imports(MODULES["keras_boost.step.loop"])
     assert not [m for m in imported if m.startswith("keras_boost.stages")], imported
+
+
+def test_no_class_name_is_defined_twice():
+    """One class per feature: a name (`AdaSum`, `GradientAccumulation`...) names one class in the package."""
+    seen = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, []).append(name)
+    twice = {cls: modules for cls, modules in seen.items() if len(modules) > 1}
+    assert not twice, twice

@@ -1,13 +1,13 @@
-"""MindSpore's callable forms: `BoostTrainOneStep(...)(x, y)` with its `*_process` methods,
-`GradientAccumulation(...)(loss, grads)` and `AdaSum(...)(delta_weights, parameters, old)`.
+"""MindSpore's callable step: `BoostTrainOneStep(...)(x, y)` with its `*_process` methods.
 
 MindSpore's boost pieces are cells that users call. Here each is the one implementation
 (the boost step `keras_boost.step.loop.BoostStep`, the loop that `BoostModel.fit` runs,
 and its stages) plus what the cell adds: building itself on the first call and MindSpore's
 calling form. `BoostTrainOneStep` adds `gradient_accumulation_process`, `adasum_process`,
 `gradient_freeze_process` and `check_adasum_enable`. The accumulation and AdaSum cells are
-their stages with a `__call__`: the same objects are given to `BoostModel.compile`, and the
-registry makes its accumulation and AdaSum stages as these classes (`registry.specialize`).
+their stages themselves (`keras_boost.stages.accumulation.GradientAccumulation` and
+`keras_boost.stages.adasum.AdaSum`, each with MindSpore's `__call__`): the same objects are
+given to `BoostModel.compile`.
 """
 
 import functools
@@ -17,12 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost import _keras_compat, distributed
-from keras_boost.core.contract import StepContext
+from keras_boost import distributed
 from keras_boost.core.state import BoostState, training_variables
-from keras_boost.stages import accumulation, adasum
 from keras_boost.stages.loss_scale import as_loss_scale
-from keras_boost.step import registry
 from keras_boost.step.loop import BoostStep
 
 
@@ -219,81 +216,3 @@ class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
         if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, numbers.Real)) or isinstance(value, bool):
             raise TypeError(f"The input type must be Tensor, but got {type(value).__name__}")
         self.loss_scale.scale.assign(tf.reshape(tf.cast(value, tf.float32), []))
-
-
-class GradientAccumulation(accumulation.GradientAccumulation):
-    """The accumulation stage, callable as MindSpore's cell `GradientAccumulation(max_accumulation_step, optimizer)`.
-
-    Called, as MindSpore's `construct(loss, grads)`: `accumulation(loss, grads)` adds
-    `grads` (one per variable the optimizer was built on, in that order, or per
-    `variables=` given to the call), and every `max_accumulation_step` calls applies their
-    mean with `optimizer` and starts a new window; it returns `loss`. It works eagerly and
-    inside `tf.function`; the state (accumulators, counter) is created on the first call.
-    Given to `BoostModel.compile(gradient_accumulation=...)` it is the stage
-    (`keras_boost.stages.accumulation.GradientAccumulation`, whose arguments it takes).
-
-    Example:
-        >>> model.compile(optimizer="sgd", loss="mse",
-        ...               gradient_accumulation=keras_boost.GradientAccumulation(4))
-        >>> accumulation = keras_boost.GradientAccumulation(4, optimizer)  # MindSpore's form
-        >>> loss = accumulation(loss, tape.gradient(loss, model.trainable_variables))
-    """
-
-    def __call__(self, loss, grads, variables=None):
-        """MindSpore's `construct(loss, grads)`: accumulate, apply the mean at the boundary; returns `loss`."""
-        if self.optimizer is None:
-            raise ValueError("GradientAccumulation called as a cell needs its optimizer: "
-                             "GradientAccumulation(max_accumulation_step, optimizer)")
-        if self.micro_step is None:
-            if variables is None:
-                variables = _keras_compat.optimizer_variables(self.optimizer)
-            if variables is None:
-                raise ValueError("GradientAccumulation called as a cell needs the variables the gradients belong "
-                                 "to: build the optimizer first (optimizer.build(model.trainable_variables)) or "
-                                 "pass variables=")
-            with tf.init_scope():
-                if not self.optimizer.built:
-                    self.optimizer.build(list(variables))
-                self.state = BoostState(name="gradient_accumulation_state")
-                self.build(StepContext(None, self.optimizer, list(variables), self.state))
-        grads = list(grads)
-        if len(grads) != len(self.variables):
-            raise ValueError(f"`grads` must hold one gradient per variable ({len(self.variables)}), got {len(grads)}")
-        indices = [i for i, g in enumerate(grads) if g is not None]
-        boundary = self.accumulate([grads[i] for i in indices], indices)
-
-        def apply():
-            self.optimizer.apply(self.mean(indices), [self.variables[i] for i in indices])
-            self.reset(indices)
-            return tf.constant(True)
-
-        tf.cond(boundary, apply, lambda: tf.constant(False))
-        return loss
-
-
-class AdaSum(adasum.AdaSum):
-    """The AdaSum stage, callable as MindSpore's cell `AdaSum(rank, device_number, group_number, parameter_tuple)`.
-
-    Called as MindSpore's `construct(delta_weights, parameters, old_parameters)`, it sets
-    `parameters <- old_parameters - AdaSum(delta_weights)` across the groups and returns
-    them; it builds itself (topology, Horovod process sets) on the first call from
-    `parameter_tuple` (or `parameters`). Given to `BoostModel.compile(adasum=...)` it is
-    the stage (`keras_boost.stages.adasum.AdaSum`, whose arguments it takes).
-
-    Example:
-        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-        ...               adasum=keras_boost.AdaSum(device_number=1))
-    """
-
-    def __call__(self, delta_weights, parameters, old_parameters):
-        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
-        if not self.built:
-            self.ask_for_process_sets()
-            with tf.init_scope():
-                self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
-        return self.combine_into(delta_weights, parameters, old_parameters)
-
-
-# The stages that options and levels make are these public classes (the same stages, callable too).
-registry.specialize(GradientAccumulation)
-registry.specialize(AdaSum)

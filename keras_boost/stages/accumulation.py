@@ -16,8 +16,10 @@ import numbers
 import keras
 import tensorflow as tf
 
+from keras_boost import _keras_compat
 from keras_boost._validation import check_int
-from keras_boost.core.contract import Stage, Window
+from keras_boost.core.contract import Stage, StepContext, Window
+from keras_boost.core.state import BoostState
 
 
 class GradientAccumulation(Stage):
@@ -35,9 +37,17 @@ class GradientAccumulation(Stage):
             there it must be that optimizer (checked when the step is built). Needed for
             the callable form.
 
-    MindSpore's callable form, `GradientAccumulation(4, optimizer)(loss, grads)`, is
-    `keras_boost.GradientAccumulation` (`keras_boost.mindspore.cells`), a thin adapter
-    over this stage.
+    Called, as MindSpore's cell `construct(loss, grads)`: `accumulation(loss, grads)` adds
+    `grads` (one per variable the optimizer was built on, in that order, or per
+    `variables=` given to the call), and every `max_accumulation_step` calls applies their
+    mean with `optimizer` and starts a new window; it returns `loss`. It works eagerly and
+    inside `tf.function`; the state (accumulators, counter) is created on the first call.
+
+    Example:
+        >>> model.compile(optimizer="sgd", loss="mse",
+        ...               gradient_accumulation=keras_boost.GradientAccumulation(4))
+        >>> accumulation = keras_boost.GradientAccumulation(4, optimizer)  # MindSpore's form
+        >>> loss = accumulation(loss, tape.gradient(loss, model.trainable_variables))
 
     Example:
         >>> model.compile(optimizer="sgd", loss="mse",
@@ -125,3 +135,34 @@ class GradientAccumulation(Stage):
 
     def get_config(self):
         return {"max_accumulation_step": self.max_accumulation_step}
+
+    def __call__(self, loss, grads, variables=None):
+        """MindSpore's `construct(loss, grads)`: accumulate, apply the mean at the boundary; returns `loss`."""
+        if self.optimizer is None:
+            raise ValueError("GradientAccumulation called as a cell needs its optimizer: "
+                             "GradientAccumulation(max_accumulation_step, optimizer)")
+        if self.micro_step is None:
+            if variables is None:
+                variables = _keras_compat.optimizer_variables(self.optimizer)
+            if variables is None:
+                raise ValueError("GradientAccumulation called as a cell needs the variables the gradients belong "
+                                 "to: build the optimizer first (optimizer.build(model.trainable_variables)) or "
+                                 "pass variables=")
+            with tf.init_scope():
+                if not self.optimizer.built:
+                    self.optimizer.build(list(variables))
+                self.state = BoostState(name="gradient_accumulation_state")
+                self.build(StepContext(None, self.optimizer, list(variables), self.state))
+        grads = list(grads)
+        if len(grads) != len(self.variables):
+            raise ValueError(f"`grads` must hold one gradient per variable ({len(self.variables)}), got {len(grads)}")
+        indices = [i for i, g in enumerate(grads) if g is not None]
+        boundary = self.accumulate([grads[i] for i in indices], indices)
+
+        def apply():
+            self.optimizer.apply(self.mean(indices), [self.variables[i] for i in indices])
+            self.reset(indices)
+            return tf.constant(True)
+
+        tf.cond(boundary, apply, lambda: tf.constant(False))
+        return loss

@@ -28,7 +28,7 @@ from keras_boost import distributed, _warnings
 
 from keras_boost._validation import check_bool, check_choice, check_optional_int
 from keras_boost.stages import adasum_ops
-from keras_boost.core.contract import Stage
+from keras_boost.core.contract import Stage, StepContext
 
 logger = logging.getLogger("keras_boost")
 
@@ -230,3 +230,11 @@ class AdaSum(Stage):
     def get_config(self):
         return {"device_number": self.device_number, "group_number": self.group_number, "backend": self.backend,
                 "strict": self.strict}
+
+    def __call__(self, delta_weights, parameters, old_parameters):
+        """MindSpore's construct: `parameters <- old_parameters - AdaSum(delta_weights)`; returns them."""
+        if not self.built:
+            self.ask_for_process_sets()
+            with tf.init_scope():
+                self.build(StepContext(None, None, tuple(self.parameter_tuple or parameters), None))
+        return self.combine_into(delta_weights, parameters, old_parameters)

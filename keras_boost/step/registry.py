@@ -42,23 +42,6 @@ def register(cls, unless=(), before=None):
     return cls
 
 
-def specialize(subclass):
-    """Makes the registered stage of `subclass.option` as `subclass`, keeping its place in the order.
-
-    For a subclass that adds a form to the stage and nothing else: MindSpore's callable
-    cells (`keras_boost.mindspore.cells.AdaSum`, `GradientAccumulation`) are their stages
-    plus `__call__`, so the stages that levels and options make are those public classes.
-    """
-    _ensure_builtin()
-    for entry in _ENTRIES:
-        if entry.cls.option == getattr(subclass, "option", None):
-            if not (isinstance(subclass, type) and issubclass(subclass, entry.cls)):
-                raise TypeError(f"`subclass` must be a subclass of {entry.cls.__name__}, got {subclass!r}.")
-            entry.cls = subclass
-            return subclass
-    raise ValueError(f"no registered stage has the option of {subclass!r}; registered: {options()}")
-
-
 def unregister(option):
     _ENTRIES[:] = [e for e in _ENTRIES if e.cls.option != option]
 
