@@ -132,7 +132,8 @@ def test_gc_optimizer_wrapper_on_a_plain_keras_model(rule):
     for w, g in zip(before, grads):
         centred = g.ndim >= 2 and (rule == "all" or g.shape[-2] % 16 == 0)
         expected.append(w - lr * (g - g.mean(axis=tuple(range(g.ndim - 1)), keepdims=True) if centred else g))
-    after = _one_step(model, keras_boost.optimizers.GradientCentralization(keras.optimizers.SGD(lr), rule=rule), x, y)
+    stage = keras_boost.GradientCentralization.every_kernel() if rule == "all" else None  # None: the stage's default
+    after = _one_step(model, keras_boost.optimizers.CentralizedOptimizer(keras.optimizers.SGD(lr), stage), x, y)
     assert max_diff(after, expected) < 1e-5
     # the 16-input hidden kernel is centred under both rules; the 16x4 logits kernel too
     assert max_diff([after[0]], [before[0] - lr * grads[0]]) > 1e-4
@@ -141,21 +142,22 @@ def test_gc_optimizer_wrapper_on_a_plain_keras_model(rule):
 def test_gc_optimizer_round_trips_through_a_keras_file(tmp_path):
     x, y = classification_data(n=32)
     model = mlp(keras.Model, seed=8)
-    _one_step(model, keras_boost.optimizers.GradientCentralization(keras.optimizers.Adam(0.01), rule="mindspore"),
-              x, y)
+    _one_step(model, keras_boost.optimizers.CentralizedOptimizer(keras.optimizers.Adam(0.01)), x, y)
     model.save(tmp_path / "m.keras")
     loaded = keras.saving.load_model(tmp_path / "m.keras")
-    assert isinstance(loaded.optimizer, keras_boost.optimizers.GradientCentralization)
-    assert loaded.optimizer.rule == "mindspore"
+    assert isinstance(loaded.optimizer, keras_boost.optimizers.CentralizedOptimizer)
+    assert loaded.optimizer.centralization.min_channels_multiple == 16
+    assert [loaded.optimizer.applies_to(v) for v in loaded.trainable_variables] == [
+        model.optimizer.applies_to(v) for v in model.trainable_variables]
     for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
 def test_gc_optimizer_bad_input():
     with pytest.raises(TypeError, match="`inner_optimizer` must be a keras.optimizers.Optimizer"):
-        keras_boost.optimizers.GradientCentralization("sgd")
-    with pytest.raises(ValueError, match="rule must be one of"):
-        keras_boost.optimizers.GradientCentralization(keras.optimizers.SGD(), rule="every")
+        keras_boost.optimizers.CentralizedOptimizer("sgd")
+    with pytest.raises(TypeError, match="`centralization` must be a keras_boost.GradientCentralization or None, got 'all'"):
+        keras_boost.optimizers.CentralizedOptimizer(keras.optimizers.SGD(), "all")
 
 
 def test_compile_gradient_centralization_all_selects_every_kernel():

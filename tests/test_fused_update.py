@@ -145,7 +145,7 @@ def test_optimizer_is_restored_when_the_update_raises():
 
 def test_optimizer_adapters_are_fused_through_their_inner_optimizer():
     inner = keras.optimizers.SGD(0.1, momentum=0.9)
-    wrapped = keras_boost.optimizers.GradientCentralization(inner)
+    wrapped = keras_boost.optimizers.CentralizedOptimizer(inner)
     assert why_not_fused(wrapped) is None
     with fused_kernels(wrapped):
         assert "update_step" in vars(inner)

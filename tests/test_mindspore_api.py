@@ -200,7 +200,7 @@ def test_optimizer_process_example_centralizes_on_a_plain_keras_model():
     optimizer_process = kb.OptimizerProcess(optimizer)
     optimizer_process.add_grad_centralization(network)
     optimizer = optimizer_process.generate_new_optimizer()
-    assert isinstance(optimizer, kb.optimizers.GradientCentralization)
+    assert isinstance(optimizer, kb.optimizers.CentralizedOptimizer)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SIZE, IN_FEATURES)).astype(np.float32)
     y = rng.normal(size=(SIZE, OUT_FEATURES)).astype(np.float32)

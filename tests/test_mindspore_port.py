@@ -105,15 +105,15 @@ def test_gc_optimizer_centres_only_the_selected_variables():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16, name="a"), keras.layers.Dense(16, name="b")])
     first, _, second, _ = model.trainable_variables
     inner = keras.optimizers.SGD(1.0)
-    optimizer = kb.optimizers.GradientCentralization(inner, rule="mindspore", variables=[first])
+    optimizer = kb.optimizers.CentralizedOptimizer(inner, kb.GradientCentralization([first]))
     grads = [tf.reshape(tf.range(256, dtype=tf.float32), (16, 16)), tf.zeros(16)] * 2
     start = [v.numpy() for v in model.trainable_variables]
     optimizer.apply(grads, model.trainable_variables)
     g = grads[0].numpy()
     np.testing.assert_allclose(first.numpy(), start[0] - (g - g.mean(axis=0)), atol=1e-5)
     np.testing.assert_allclose(second.numpy(), start[2] - g, atol=1e-5)
-    assert kb.optimizers.GradientCentralization.from_config(optimizer.get_config()).get_config()["variables"] == [
-        first.path]
+    assert kb.optimizers.CentralizedOptimizer.from_config(optimizer.get_config()).get_config()["centralization"] == {
+        "variables": [first.path], "min_channels_multiple": 16}
 
 
 # ------------------------------------------------------- 4. network_auto_process_train
@@ -261,7 +261,8 @@ def test_freeze_opt_and_gc_optimizer_survive_a_keras_file(tmp_path):
         [v.path for v in g] for g in kb.split_parameters_groups(loaded, 2)]
 
     kernel = model.trainable_variables[0]
-    model.compile(optimizer=kb.optimizers.GradientCentralization(keras.optimizers.SGD(0.1), variables=[kernel]),
+    model.compile(optimizer=kb.optimizers.CentralizedOptimizer(keras.optimizers.SGD(0.1),
+                                                               kb.GradientCentralization([kernel], 1)),
                   loss=LOSS)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     model.save(tmp_path / "gc.keras")

@@ -16,7 +16,7 @@ from keras_boost import BoostModel
 from keras_boost.core.contract import all_finite
 from keras_boost.stages.centralization import GradientCentralization, centralize, column_sums
 from keras_boost.stages.loss_scale import FixedLossScale
-from keras_boost.optimizers import GradientCentralization as GCOptimizer
+from keras_boost.optimizers import CentralizedOptimizer
 
 VOCABULARY, DIM, LENGTH = 40, 16, 6
 
@@ -109,7 +109,8 @@ def test_the_centralization_optimizer_wrapper_takes_a_sparse_gradient():
     x, y = _text_data()
     grads = _reference_gradients(x, y)
     model = _text_net(keras.Model)
-    model.compile(optimizer=GCOptimizer(keras.optimizers.SGD(0.5), variables=["embedding/embeddings"]),
+    model.compile(optimizer=CentralizedOptimizer(keras.optimizers.SGD(0.5),
+                                                    GradientCentralization(["embedding/embeddings"], 1)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     before = np.array(model.trainable_variables[0])
     model.train_on_batch(x, y)

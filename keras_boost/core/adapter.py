@@ -1,6 +1,6 @@
 """The optimizer adapter: a Keras optimizer that stands for a stage and lets another optimizer apply.
 
-`FreezeOpt` (gradient freezing) and `optimizers.GradientCentralization` are MindSpore's and
+`FreezeOpt` (gradient freezing) and `optimizers.CentralizedOptimizer` are MindSpore's and
 keras-io's optimizer forms of two stages. Both wrap the user's optimizer, which keeps the
 learning rate, the iterations and the slots; this base holds that delegation once.
 `registry.unwrap_optimizer` reads `boost_option` and `unwraps_into_step` to turn an adapter

@@ -2,7 +2,7 @@
 
 Keras 3 optimizers hold no parameter groups, so MindSpore's group dicts map onto
 plain objects: gradient centralization becomes an optimizer wrapper
-(`keras_boost.optimizers.GradientCentralization`) over a set of variables, and groups of
+(`keras_boost.optimizers.CentralizedOptimizer`) over a set of variables, and groups of
 parameters are lists of variables matched across models by `variable.path`.
 """
 
@@ -21,7 +21,7 @@ class OptimizerProcess:
     parameter groups, and the optimizer centralises by itself. Here
     `add_grad_centralization(model)` records the variables MindSpore would put in its GC
     group, and `generate_new_optimizer()` returns the optimizer wrapped in
-    `keras_boost.optimizers.GradientCentralization` restricted to them (MindSpore's rule:
+    `keras_boost.optimizers.CentralizedOptimizer` restricted to them (MindSpore's rule:
     rank >= 2 and an input-channel count that is a multiple of 16), so it centralises on
     any Keras model, `keras.Model.compile` included. Without `add_grad_centralization`
     it returns the optimizer itself.
@@ -42,7 +42,7 @@ class OptimizerProcess:
     >>> [v.path for v in process.gc_variables]
     ['net/fc/kernel']
     >>> type(process.generate_new_optimizer()).__name__
-    'GradientCentralization'
+    'CentralizedOptimizer'
     """
 
     def __init__(self, opt):
@@ -125,12 +125,12 @@ class OptimizerProcess:
     def generate_new_optimizer(self):
         """The optimizer to train the model with.
 
-        After `add_grad_centralization`: a `keras_boost.optimizers.GradientCentralization`
+        After `add_grad_centralization`: a `keras_boost.optimizers.CentralizedOptimizer`
         around the optimizer, centring the gradients of `gc_variables` only. Otherwise the
         optimizer. The user's object while it is not built; a copy from its config once
         it is (a built Keras optimizer cannot take new variables).
         """
-        from keras_boost.optimizers import GradientCentralization as GCOptimizer
+        from keras_boost.optimizers import CentralizedOptimizer
 
         inner = self.optimizer
         if inner.built:
@@ -143,9 +143,7 @@ class OptimizerProcess:
                 inner._exclude_from_weight_decay_pattern = pattern
         if not self.gc_added or not self.gc_variables:
             return inner
-        wrapper = GCOptimizer(inner, rule="mindspore", variables=list(self.gc_variables))
-        wrapper.min_channels_multiple = self.min_channels_multiple
-        return wrapper
+        return CentralizedOptimizer(inner, GradientCentralization(list(self.gc_variables), self.min_channels_multiple))
 
 
 class ParameterProcess:

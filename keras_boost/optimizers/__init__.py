@@ -1,5 +1,5 @@
 """Keras optimizers from keras_boost, usable with any `keras.Model`."""
 
-from keras_boost.optimizers.centralization import GradientCentralization
+from keras_boost.optimizers.centralization import CentralizedOptimizer
 
-__all__ = ["GradientCentralization"]
+__all__ = ["CentralizedOptimizer"]

@@ -112,18 +112,25 @@ class GradientCentralization(Stage):
             self.switch_off()  # a level's GC, on a model where LessBN removed no BatchNorm
         if not self._resolve_at_build:
             return
+        # A step knows its model; an optimizer (`CentralizedOptimizer`) only the variables it is built on.
         model = context.model
-        if self._paths is _MODEL_DEFAULT:
+        candidates = list(model.trainable_variables) if model is not None else list(context.variables)
+        if self._paths is _MODEL_DEFAULT and model is not None:
             self._select(gc_variables(model))
-        elif self._paths is _EVERY_KERNEL:
-            self._select([v for v in model.trainable_variables if len(v.shape) >= 2])
+        elif self._paths in (_MODEL_DEFAULT, _EVERY_KERNEL):
+            self._select([v for v in candidates if len(v.shape) >= 2])
         else:
-            by_path = {v.path: v for v in model.trainable_variables}
-            missing = [p for p in self._paths if p not in by_path]
+            found = {p: [v for v in candidates if _same_path(v.path, p)] for p in self._paths}
+            missing = [p for p, matches in found.items() if not matches]
             if missing:
-                raise ValueError(f"`variables` names variables the model does not have: {missing[:3]}")
-            self._select([by_path[p] for p in self._paths])
+                raise ValueError(f"`variables` names variables that are not trained here: {missing[:3]}")
+            self._select([v for p in self._paths for v in found[p][:1]])
         self._resolve_at_build = False
+
+    @property
+    def resolved(self):
+        """Whether the centralised variables are chosen (at construction, or when built)."""
+        return not self._resolve_at_build
 
     def column_sums(self, grads, variables):
         """Each centralised gradient's per-channel sums (`ones(1, n) @ grad`), for the finite check and `transform`."""
@@ -166,7 +173,23 @@ class GradientCentralization(Stage):
                       f"removed {self._removed_batchnorms} BatchNormalization layers")
 
     def get_config(self):
-        return {"variables": [v.path for v in self.variables], "min_channels_multiple": self.min_channels_multiple}
+        if self._paths is _MODEL_DEFAULT and self._resolve_at_build:
+            variables = None  # the default, still to be chosen where it is built
+        elif self._paths is _EVERY_KERNEL and self._resolve_at_build:
+            variables = "every_kernel"
+        elif self._resolve_at_build:
+            variables = list(self._paths)
+        else:
+            variables = [v.path for v in self.variables]
+        return {"variables": variables, "min_channels_multiple": self.min_channels_multiple}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        variables = config.pop("variables", None)
+        if variables == "every_kernel":
+            return cls(_EVERY_KERNEL, **config)
+        return cls(**config) if variables is None else cls(variables, **config)
 
     def applies_to(self, variable):
         """Whether the gradient of `variable` gets centralised."""
@@ -195,6 +218,11 @@ class GradientCentralization(Stage):
             centralize(g, s, shape=v.shape) if g is not None and self.applies_to(v) else g
             for g, v, s in zip(grads, variables, sums)
         ]
+
+
+def _same_path(path, wanted):
+    """Whether `path` is `wanted`, allowing for a model-name prefix added or dropped when a model is loaded."""
+    return path == wanted or path.endswith("/" + wanted) or wanted.endswith("/" + path)
 
 
 def centralizes(shape, min_channels_multiple):

@@ -3,8 +3,8 @@ with batch b against 1 process (plain Keras) with batch 2b, on the same data.
 
 The boost step runs the NaN guard, with and without a loss scale (fixed, a power of 2:
 exact), and gradient centralization "all" (the Embedding table included, made dense as the keras-io
-recipe does); the reference is keras.Model with `keras_boost.optimizers.GradientCentralization`
-(the recipe as an optimizer wrapper) and no loss scale. Prints per rank the largest weight
+recipe does); the reference is keras.Model with `keras_boost.optimizers.CentralizedOptimizer`
+(the same recipe, `GradientCentralization.every_kernel()`, as an optimizer wrapper) and no loss scale. Prints per rank the largest weight
 difference to the reference and a hash of the weights.
 """
 
@@ -13,8 +13,8 @@ import hashlib
 import keras
 import numpy as np
 
-from keras_boost import BoostModel, distributed
-from keras_boost.optimizers import GradientCentralization
+from keras_boost import BoostModel, GradientCentralization, distributed
+from keras_boost.optimizers import CentralizedOptimizer
 from tests.helpers import max_diff, weights
 from train_equivalence import interleave_shard
 
@@ -40,7 +40,8 @@ def run():
     per_worker = 16
 
     reference = net(keras.Model, seed=0)
-    reference.compile(optimizer=GradientCentralization(keras.optimizers.SGD(0.2, momentum=0.9)), loss=loss)
+    reference.compile(optimizer=CentralizedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9),
+                                                     GradientCentralization.every_kernel()), loss=loss)
     reference.fit(x, y, batch_size=per_worker * size, epochs=2, shuffle=False, verbose=0)
 
     found = {}
