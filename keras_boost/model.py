@@ -1,7 +1,6 @@
 """BoostModel: a keras.Model whose train_step runs the boost step across Horovod workers."""
 
 import contextlib
-import os
 import sys
 
 import warnings
@@ -265,12 +264,12 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.fit import dropin
         from keras_boost.fit.callbacks import (AverageBatchNormStatistics, BroadcastGlobalVariablesCallback,
-                                                       NonFiniteGuard, StopTogether)
+                                               StopTogether)
         from keras_boost.fit.elastic import elastic_launch
 
         callbacks = list(callbacks or [])
-        if self.boost_step is not None and self.boost_step.nan_guard:
-            callbacks.insert(0, NonFiniteGuard())
+        if self.boost_step is not None:
+            callbacks[:0] = [c for stage in self.boost_step.stages for c in stage.fit_callbacks()]
         measurement = self._self_measurement()
         if measurement is not None:
             callbacks.insert(0, measurement)
@@ -299,7 +298,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs, callbacks))
                 return super().fit(callbacks=callbacks, verbose=verbose, **kwargs)
             except tf.errors.OpError as error:
-                if not _abandoned(error) or os.environ.get("HOROVOD_ELASTIC") == "1":
+                if not _abandoned(error) or distributed.elastic_launch():
                     raise
                 lines = watchdog.abandoned_lines(distributed.rank(), distributed.size(), guard.seconds_still())
                 print("\n".join(lines), file=sys.stderr, flush=True)

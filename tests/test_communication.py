@@ -91,6 +91,16 @@ class _FakeHorovod:
     def local_size(self):
         return 1
 
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    @staticmethod
+    def broadcast_object(obj):  # one worker: rank 0's object is everyone's (`serve_store` at init)
+        return obj
+
 
 def test_init_sets_the_variables_before_horovod_starts(clean_env, monkeypatch):
     fake = _FakeHorovod()
@@ -293,7 +303,10 @@ def test_hierarchical_refuses_a_heterogeneous_launch(monkeypatch):
 
 
 def test_hierarchical_refuses_elastic_training(monkeypatch):
+    from keras_boost.distributed import runtime
+
     monkeypatch.setattr(distributed, "size", lambda: 4)
+    monkeypatch.setattr(runtime, "launched", lambda: True)  # as under horovodrun, whose elastic mode sets:
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     with pytest.raises(ValueError, match="not supported under elastic training"):
         HierarchicalAllreduce(local_size=2).build(types.SimpleNamespace(variables=[]))

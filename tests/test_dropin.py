@@ -270,3 +270,19 @@ def test_one_process_saves_where_keras_saves(tmp_path):
     seen = []
     dropin.write_whole(tmp_path / "m.weights.h5", seen.append)
     assert seen == [tmp_path / "m.weights.h5"]  # no file of its own to rename: one writer
+
+
+def test_every_stage_declares_the_keys_it_logs():
+    """The bar hides the boost scalars by the keys the stages declare (`Stage.log_keys`): they are exactly
+    the keys the built step logs, freezing's and the loss scale's included."""
+    from keras_boost import FreezeOpt, split_parameters_groups
+
+    x, y = classification_data(n=64)
+    model = mlp(seed=1)
+    optimizer = keras.optimizers.SGD(0.05)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  loss_scale="dynamic", gradient_freeze=FreezeOpt(optimizer, split_parameters_groups(model, 2), [0, 1]))
+    declared = model.boost_step.log_keys()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert sorted(declared) == sorted(model.boost_step.logs()) == ["freeze_group", "loss_scale", "overflow"]
+    assert set(declared) <= set(history.history)

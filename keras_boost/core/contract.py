@@ -102,6 +102,7 @@ class Stage:
     step_attribute = None
     measurable = False
     level_section = None
+    log_keys = ()  # the keys of what `logs` returns (known before the stage is built)
     switch = None  # a boolean tf.Variable once `add_switch` made one: the stage acts while it is True
     on_with_true = False  # whether `compile(<option>=True)` makes the stage with its defaults (`from_option`)
 
@@ -204,6 +205,11 @@ class Stage:
 
     def logs(self):
         return {}
+
+    # ------------------------------------------------------------ lifecycle
+    def fit_callbacks(self):
+        """Keras callbacks this stage needs in every `fit` of its model (BoostModel adds them first)."""
+        return []
 
     # ------------------------------------------------------------- config
     def get_config(self):

@@ -43,7 +43,7 @@ from keras_boost.distributed.runtime import (DEFAULT_STALL_TIMEOUT, HOROVOD_CYCL
                                              HOROVOD_FUSION_THRESHOLD_DEFAULT, STALL_TIMEOUT_ENV, _hvd,
                                              _stall_timeout_value, _state, boost_step_scope, communication,
                                              communication_env, cross_rank, cross_size, dynamic_process_sets, horovod,
-                                             horovod_version,
+                                             horovod_version, elastic_launch,
                                              in_boost_step, init,
                                              is_distributed, is_homogeneous, launch_size, launched, local_rank,
                                              local_size, rank, size, stall_check_seconds, stall_timeout,

@@ -237,6 +237,11 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
         _counter()  # made now, not inside a step's first trace (which would make tf.function trace it again)
 
 
+def elastic_launch():
+    """Whether this process was started by `horovodrun` in elastic mode (`--min-np`/discovery)."""
+    return launched() and os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
 def horovod_version():
     """The installed Horovod's version, or None where it cannot be imported."""
     try:

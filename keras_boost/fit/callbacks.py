@@ -38,30 +38,6 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             distributed.broadcast_variables(variables, self.root_rank)
 
 
-class NonFiniteGuard(keras.callbacks.Callback):
-    """Stops `fit` when the boost step refused a non-finite update (BoostModel adds it itself).
-
-    The step has already kept the non-finite gradient out of the weights; every worker
-    takes the same decision, so every worker stops at the same batch.
-    """
-
-    def on_train_begin(self, logs=None):
-        self._seen = self._count()
-
-    def _count(self):
-        guard = self.model.boost_step.stage("nan_guard")
-        return 0 if guard is None or guard.nonfinite_updates is None else int(guard.nonfinite_updates.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        count = self._count()
-        if count > self._seen:
-            raise FloatingPointError(
-                f"non-finite gradient at batch {batch} (rank {distributed.rank()} of {distributed.size()}): the "
-                "update was not applied and training stopped. Lower the learning rate, check the data, or use "
-                "loss_scale=... to skip such steps and go on; compile(nan_guard=False) applies them like plain Keras."
-            )
-
-
 class StopTogether(keras.callbacks.Callback):
     """Makes `model.stop_training` one decision of all workers: they all stop after the same batch.
 
@@ -439,5 +415,5 @@ class BackupAndRestore(_keras_compat.BackupAndRestoreBase):
 
 
 __all__ = ["AverageBatchNormStatistics", "BackupAndRestore", "BoostScalarsCallback", "BroadcastGlobalVariablesCallback",
-           "LearningRateWarmupCallback", "MetricAverageCallback", "NonFiniteGuard", "StopTogether", "WarmupSchedule",
+           "LearningRateWarmupCallback", "MetricAverageCallback", "StopTogether", "WarmupSchedule",
            "rank_zero_only"]

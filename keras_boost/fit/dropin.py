@@ -413,8 +413,7 @@ def progress_callbacks(model, callbacks, verbose):
         return callbacks, verbose
     verbose = launcher_verbose(verbose)
     step = getattr(model, "boost_step", None)
-    hidden = set(step.logs()) if step is not None and step.built else set()
-    hidden |= _BOOST_LOG_KEYS
+    hidden = set(step.log_keys()) if step is not None else set()  # the boost scalars: in the logs, not the bar
     callbacks = list(callbacks or [])
     if verbose == 0 or any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
         return callbacks, verbose
@@ -423,9 +422,3 @@ def progress_callbacks(model, callbacks, verbose):
     else:
         callbacks.append(BoostProgbarLogger(verbose, hidden))
     return callbacks, 0
-
-
-# Boost scalars a step may log (loss scaling, freezing); hidden from the bar even before the
-# step is built.
-_BOOST_LOG_KEYS = {"loss_scale", "overflow", "freeze_group"}
-

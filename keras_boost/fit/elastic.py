@@ -35,7 +35,6 @@ worker ends the run, as usual.
 """
 
 import logging
-import os
 import types
 
 import keras
@@ -61,9 +60,7 @@ def _failure_lines(error):
     return [line for line in lines if line and not line.startswith("File ")]
 
 
-def elastic_launch():
-    """Whether this process was started by `horovodrun` in elastic mode (`--min-np`/discovery)."""
-    return distributed.launched() and os.environ.get("HOROVOD_ELASTIC") == "1"
+elastic_launch = distributed.elastic_launch
 
 
 def _build_for_sync(model):

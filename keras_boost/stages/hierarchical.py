@@ -29,7 +29,6 @@ host, or one worker, the stage falls back to the plain fused allreduce. It owns 
 not split its buffers (one per dtype).
 """
 
-import os
 
 import tensorflow as tf
 
@@ -105,7 +104,7 @@ class HierarchicalAllreduce(Stage):
         self.built = True
         if distributed.size() == 1:
             return
-        if os.environ.get("HOROVOD_ELASTIC", "0") == "1":
+        if distributed.elastic_launch():
             raise ValueError("hierarchical_allreduce is not supported under elastic training: its host groups are "
                              "fixed when the step is built")
         groups = self.groups()

@@ -104,6 +104,8 @@ class LossScale(Stage):
     def _adapt(self, finite):
         return None
 
+    log_keys = ("overflow", "loss_scale")
+
     def logs(self):
         return {"overflow": self.last_overflow.value, "loss_scale": tf.reshape(tf.convert_to_tensor(self.scale), [])}
 

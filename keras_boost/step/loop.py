@@ -21,7 +21,6 @@ runs. Either way the backward pass through the frozen prefix is never computed.
 
 import contextlib
 import functools
-import os
 
 import keras
 import tensorflow as tf
@@ -79,9 +78,6 @@ class BoostStep:
             raise TypeError(f"`loss_fn` must be None or a callable loss(y_true, y_pred), got {loss_fn!r} "
                             f"({type(loss_fn).__name__}).")
         self.loss_fn = loss_fn
-        options.setdefault("nan_guard", False)
-        if options["nan_guard"] is not None:
-            _validation.check_bool("nan_guard", options["nan_guard"])
         self.model = model
         self.optimizer = optimizer
         self.sens = _validation.check_sens(sens)
@@ -139,7 +135,7 @@ class BoostStep:
                 if selection is not None:
                     self._groups, self._selector = selection
             self._needs_finite = any(s.needs_finite for s in self.stages)
-            if distributed.size() > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
+            if distributed.size() > 1 and not distributed.elastic_launch():
                 self.stop_votes = StopVotes()  # an elastic job re-forms instead of stopping together
         self.built = True
 
@@ -209,6 +205,10 @@ class BoostStep:
     def _require_built(self):
         if not self.built:
             raise RuntimeError("the step is not built yet: call it once on data (step(x, y)) or build(state) first")
+
+    def log_keys(self):
+        """The keys of the boost scalars the stages log (`Stage.log_keys`), known before the step is built."""
+        return [key for stage in self.stages for key in stage.log_keys]
 
     def logs(self):
         """The boost scalars of the last step (identical on every worker)."""

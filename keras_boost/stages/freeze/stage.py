@@ -182,6 +182,8 @@ class FreezeStage(Stage):
             f"{1000 * times[0]:.1f} ms ({100 * saving:+.1f}% saved; kept from {100 * self.min_saving:.0f}%; "
             f"groups {groups})")
 
+    log_keys = ("freeze_group",)
+
     def logs(self):
         return {"freeze_group": self.last_group.value}
 
