@@ -211,6 +211,14 @@ class Stage:
         """Keras callbacks this stage needs in every `fit` of its model (BoostModel adds them first)."""
         return []
 
+    def check_elastic(self):
+        """Raises ValueError where this stage cannot run under elastic training (default: it can)."""
+
+    def workers_changed(self, context):
+        """Under elastic training, at the workers' first agreement and whenever they re-form: rebuilds
+        what depends on the set of workers. A stage that overrides it is built then, not before
+        (its build may run collectives that must happen at the same point on every worker)."""
+
     # ------------------------------------------------------------- config
     def get_config(self):
         return {}

@@ -35,7 +35,6 @@ worker ends the run, as usual.
 """
 
 import logging
-import types
 
 import keras
 import numpy as np
@@ -44,6 +43,7 @@ import tensorflow as tf
 from keras_boost import distributed
 from keras_boost.distributed import elastic_support
 from keras_boost._validation import check_int
+from keras_boost.core.contract import StepContext
 from keras_boost.core.state import training_variables
 from keras_boost.fit.callbacks import BroadcastGlobalVariablesCallback
 
@@ -68,8 +68,9 @@ def _build_for_sync(model):
 
     A worker that joins later builds its model from scratch; its optimizer and boost state
     must have their variables before the first broadcast, or the variable lists differ.
-    The AdaSum stage is left out here: it registers Horovod process sets, a collective that
-    must happen at the same point on every worker (`BoostModelState.sync` does it).
+    Stages that depend on the set of workers (`Stage.workers_changed`: AdaSum registers Horovod
+    process sets, a collective that must happen at the same point on every worker) are left
+    out here: `BoostModelState.sync` builds them.
     """
     if not model.built:
         raise ValueError("The model must be built before its elastic state is made: build it "
@@ -78,7 +79,7 @@ def _build_for_sync(model):
         raise ValueError("The model must be compiled before its elastic state is made")
     step = getattr(model, "boost_step", None)
     if step is not None and not step.built:
-        step.build(model.boost_state, later=("adasum",))
+        step.build(model.boost_state, later=[s.option for s in step.stages if s.overrides("workers_changed")])
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 
@@ -182,7 +183,8 @@ class _BoostModelStateMixin:
     def __init__(self, model, **attributes):
         distributed.init()
         _build_for_sync(model)
-        _check_adasum(_adasum(model))
+        for stage in _stages(model):
+            stage.check_elastic()
         self.model = model
         self.variables = training_variables(model)  # model, boost state, optimizer
         self.resets = 0
@@ -203,7 +205,7 @@ class _BoostModelStateMixin:
         # Collective names must match on every worker; a worker that just joined starts
         # counting from zero, so the survivors do too (their compiled functions are retraced).
         distributed.restart_collective_names()
-        _rebuild_adasum(self.model)
+        _workers_changed(self.model)
         if distributed.size() > 1:
             distributed.broadcast_variables(self.variables, root_rank=0)
         self._save_variables()
@@ -218,7 +220,7 @@ class _BoostModelStateMixin:
         model.train_function = None
         model.test_function = None
         model.predict_function = None
-        _rebuild_adasum(model)  # no sync follows when workers only left
+        _workers_changed(model)  # no sync follows when workers only left
         logger.info("elastic reset %d: %d worker(s), this is rank %d", self.resets, distributed.size(),
                     distributed.rank())
 
@@ -231,32 +233,17 @@ class _BoostModelStateMixin:
                 f"samples={getattr(self, 'samples', None)}, variables={len(self.variables)})")
 
 
-def _adasum(model):
-    return getattr(getattr(model, "boost_step", None), "adasum", None)
+def _stages(model):
+    step = getattr(model, "boost_step", None)
+    return list(step.stages) if step is not None else []
 
 
-def _check_adasum(adasum):
-    """Refuses AdaSum topologies that need Horovod process sets (checked before any is registered)."""
-    if adasum is None or not distributed.launched():
-        return
-    _, _, device_number, groups = adasum._resolve_topology()
-    if groups > 1 and device_number > 1:
-        raise ValueError(
-            f"AdaSum with process sets ({groups} groups of device_number={device_number}) is not supported under "
-            "elastic training: a worker that joins registers its process sets out of step with the survivors. "
-            "Use AdaSum(device_number=1) (every worker its own group) or a single group with elastic training.")
-
-
-def _rebuild_adasum(model):
-    """Re-resolves the AdaSum topology (number of groups, backend) for the current workers."""
-    adasum = _adasum(model)
-    if adasum is None:
-        return
-    _check_adasum(adasum)
-    adasum.built = False
-    # the stage contract's build(context); a plain namespace, as distributed/ sits below step/
-    adasum.build(types.SimpleNamespace(model=model, optimizer=model.optimizer, state=model.boost_state,
-                                       variables=list(model.trainable_variables)))
+def _workers_changed(model):
+    """Lets every stage that depends on the set of workers rebuild for the current one (AdaSum's groups)."""
+    context = StepContext(model, model.optimizer, list(model.trainable_variables), model.boost_state)
+    for stage in _stages(model):
+        if stage.overrides("workers_changed"):
+            stage.workers_changed(context)
 
 
 # ------------------------------------------------------------------- run

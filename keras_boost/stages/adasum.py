@@ -110,6 +110,23 @@ class AdaSum(Stage):
                 f"AdaSum groups are blocks of device_number workers")
 
     # ------------------------------------------------------------- topology
+    def check_elastic(self):
+        """Refuses AdaSum topologies that need Horovod process sets (checked before any is registered)."""
+        if not distributed.launched():
+            return
+        _, _, device_number, groups = self._resolve_topology()
+        if groups > 1 and device_number > 1:
+            raise ValueError(
+                f"AdaSum with process sets ({groups} groups of device_number={device_number}) is not supported under "
+                "elastic training: a worker that joins registers its process sets out of step with the survivors. "
+                "Use AdaSum(device_number=1) (every worker its own group) or a single group with elastic training.")
+
+    def workers_changed(self, context):
+        """Re-resolves the topology (number of groups, backend) for the current workers."""
+        self.check_elastic()
+        self.built = False
+        self.build(context)
+
     def _resolve_topology(self):
         size, rank = distributed.size(), distributed.rank()
         device_number = self.device_number or distributed.local_size()
