@@ -56,17 +56,17 @@ class _EpochClock(keras.callbacks.Callback):
 
 def run_level(args, level):
     """One run of `level` in this process (on this worker); returns its times and accuracies."""
-    from keras_boost.app.training import FrozenSteps, boost_report, prepare
+    from keras_boost.app.training import boost_report, prepare, report_callbacks
 
     level_args = copy.copy(args)
     level_args.level = level
     model, (x, y), test = prepare(level_args)
-    clock, frozen_steps = _EpochClock(test), FrozenSteps()
+    clock = _EpochClock(test)
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              shuffle=True, verbose=0, callbacks=[clock, frozen_steps])
+              shuffle=True, verbose=0, callbacks=[clock, *report_callbacks(model)])
     return {"level": level, "seed": args.seed, "epoch_times": clock.train_times, "accuracies": clock.accuracies,
             "first_step": clock.first_step, "step_time": steady_step(clock.step_times, clock.steps_per_epoch),
-            "report": boost_report(model, frozen_steps)}
+            "report": boost_report(model)}
 
 
 def steady_step(steps, steps_per_epoch):

@@ -13,7 +13,6 @@ from keras_boost.config import read_config
 from keras_boost.fit import callbacks as boost_callbacks
 from keras_boost.fit.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
-from keras_boost.stages.fused_update import why_not_fused
 from keras_boost.app.demo_net import demo_resnet
 from keras_boost.precision import resolve_precision
 
@@ -111,47 +110,25 @@ def prepare(args):
     return model, (x_train, y_train), (x_test, y_test)
 
 
-class FrozenSteps(keras.callbacks.Callback):
-    """Counts the steps of `fit` that trained a partial freeze group (`freeze_group` > 0 in the step's logs).
-
-    What ran, not what the schedule says: a boost level's freezing may be switched off by
-    its self-measurement (`keras_boost.step.tuning`) before or after its groups train.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.steps = self.frozen = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        if logs and "freeze_group" in logs:
-            self.steps += 1
-            self.frozen += int(np.asarray(logs["freeze_group"]) > 0)
+def report_callbacks(model):
+    """The callbacks that count, in a `fit`, what each stage reports (`Stage.report_callbacks`)."""
+    return [c for stage in model.boost_step.stages for c in stage.report_callbacks()]
 
 
-def boost_report(model, frozen_steps=None):
-    """What the boost did: BatchNorms removed, share of frozen steps (`frozen_steps`: the `FrozenSteps`
-    of the fit), what the level's self-measurement decided, overflows, fused update and BatchNorms."""
+def boost_report(model):
+    """What the boost did: the level, the precision, BatchNorms removed, what the level's
+    self-measurement decided, and each stage's own lines (`Stage.report`: after a fit with
+    `report_callbacks(model)`, what it counted)."""
     step = model.boost_step
     report = {"level": model.auto_boost.level if model.auto_boost else "O0",
               "precision": keras.config.dtype_policy().name}
     if model.less_bn_report is not None:
         report["batchnorms_removed"] = f"{model.less_bn_report.num_removed} of " \
             f"{model.less_bn_report.num_removed + model.less_bn_report.num_kept}"
-    if step.freeze is not None and frozen_steps is not None and frozen_steps.steps:
-        report["frozen_step_share"] = round(frozen_steps.frozen / frozen_steps.steps, 3)
     for option, kept, _ in getattr(model, "self_measurement", None) or ():
         report.setdefault("self_measurement", {})[option] = "kept" if kept else "switched off"
-    if step.loss_scale is not None:
-        report["overflows"] = int(step.loss_scale.overflow_count.numpy())
-    if step.adasum is not None:
-        report["adasum_combine"] = step.adasum.combine_backend or "none (one group)"
-    if step.fused_update is not None:
-        report["fused_update"] = why_not_fused(step.optimizer) is None
-    if step.fused_batchnorm is not None:
-        report["fused_batchnorm"] = f"{len(step.fused_batchnorm.layers)} of " \
-            f"{len(step.fused_batchnorm.layers) + len(step.fused_batchnorm.not_fused)}"
-    if step.conv_matmul is not None:
-        report["conv_matmul"] = len(step.conv_matmul.rewritten)
+    for stage in step.stages:
+        report.update(stage.report(step))
     return report
 
 
@@ -177,9 +154,9 @@ class _EpochsRun(keras.callbacks.Callback):
 def run_training(args):
     """Trains per `args` (the `keras-boost train` options) on this worker; returns a summary dict."""
     model, (x_train, y_train), (x_test, y_test) = prepare(args)
-    frozen_steps, epochs_run = FrozenSteps(), _EpochsRun()
+    epochs_run = _EpochsRun()
     backup = [boost_callbacks.BackupAndRestore(args.backup_dir)] if getattr(args, "backup_dir", None) else []
-    callbacks = backup + _checkpoint_callbacks(model, args.checkpoint_dir) + [frozen_steps, epochs_run]
+    callbacks = backup + _checkpoint_callbacks(model, args.checkpoint_dir) + report_callbacks(model) + [epochs_run]
     start = time.perf_counter()
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
                         steps_per_epoch=args.steps_per_epoch, shuffle=True, callbacks=callbacks)
@@ -195,5 +172,5 @@ def run_training(args):
         "train_loss": round(float(history.history["loss"][-1]), 4),
         "test_accuracy": round(float(test["accuracy"]), 4),
         "wall_time_s": round(wall, 1),
-        **boost_report(model, frozen_steps),
+        **boost_report(model),
     }

@@ -211,6 +211,15 @@ class Stage:
         """Keras callbacks this stage needs in every `fit` of its model (BoostModel adds them first)."""
         return []
 
+    def report_callbacks(self):
+        """Callbacks that count what this stage did in a `fit`, for `report` (`keras-boost train` and
+        `bench` add them; a plain `fit` runs without them)."""
+        return []
+
+    def report(self, step):
+        """{name: value}: what this stage did, for the report of `keras-boost train` and `bench`."""
+        return {}
+
     def check_elastic(self):
         """Raises ValueError where this stage cannot run under elastic training (default: it can)."""
 

@@ -110,6 +110,9 @@ class AdaSum(Stage):
                 f"AdaSum groups are blocks of device_number workers")
 
     # ------------------------------------------------------------- topology
+    def report(self, step):
+        return {"adasum_combine": getattr(self, "combine_backend", None) or "none (one group)"}
+
     def check_elastic(self):
         """Refuses AdaSum topologies that need Horovod process sets (checked before any is registered)."""
         if not distributed.launched():

@@ -50,6 +50,9 @@ class ConvMatmul(Stage):
     step_attribute = "conv_matmul"
     on_with_true = True
 
+    def report(self, step):
+        return {"conv_matmul": len(self.rewritten)}
+
     def __init__(self):
         self.layers, self.not_eligible, self.rewritten = [], {}, set()
 

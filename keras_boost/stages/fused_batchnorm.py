@@ -56,6 +56,9 @@ class FusedBatchNorm(Stage):
     step_attribute = "fused_batchnorm"
     on_with_true = True
 
+    def report(self, step):
+        return {"fused_batchnorm": f"{len(self.layers)} of {len(self.layers) + len(self.not_fused)}"}
+
     def __init__(self):
         self.layers, self.not_fused = [], {}
 

@@ -43,6 +43,9 @@ class FusedUpdate(Stage):
     step_attribute = "fused_update"
     on_with_true = True
 
+    def report(self, step):
+        return {"fused_update": why_not_fused(step.optimizer) is None}
+
     def __init__(self, strict=True):
         self.strict = check_bool("strict", strict)
 

@@ -106,6 +106,9 @@ class LossScale(Stage):
 
     log_keys = ("overflow", "loss_scale")
 
+    def report(self, step):
+        return {"overflows": int(self.overflow_count.numpy())} if self.overflow_count is not None else {}
+
     def logs(self):
         return {"overflow": self.last_overflow.value, "loss_scale": tf.reshape(tf.convert_to_tensor(self.scale), [])}
 

@@ -3,6 +3,7 @@
 import reprlib
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -184,6 +185,14 @@ class FreezeStage(Stage):
 
     log_keys = ("freeze_group",)
 
+    def report_callbacks(self):
+        self._counted = FrozenSteps()
+        return [self._counted]
+
+    def report(self, step):
+        counted = getattr(self, "_counted", None)
+        return {"frozen_step_share": round(counted.frozen / counted.steps, 3)} if counted and counted.steps else {}
+
     def logs(self):
         return {"freeze_group": self.last_group.value}
 
@@ -198,3 +207,22 @@ class _SavedFreezeOpt:
     def resolve(self, model, optimizer):
         groups = resolve_paths(self.groups, model.trainable_variables, "the saved boost configuration")
         return FreezeOpt(optimizer, groups, self.strategy)
+
+
+class FrozenSteps(keras.callbacks.Callback):
+    """Counts the steps of `fit` that trained a partial freeze group (`freeze_group` > 0 in the step's logs).
+
+    The freeze stage's `report_callbacks`; its `report` gives the share.
+
+    What ran, not what the schedule says: a boost level's freezing may be switched off by
+    its self-measurement (`keras_boost.step.tuning`) before or after its groups train.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.steps = self.frozen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs and "freeze_group" in logs:
+            self.steps += 1
+            self.frozen += int(np.asarray(logs["freeze_group"]) > 0)
