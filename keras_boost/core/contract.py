@@ -199,6 +199,17 @@ class Stage:
     def enter_branch(self, branch):
         """For a `select_branch` owner, inside the compiled step of `branch` (a Python int)."""
 
+    def shares(self):
+        """For a `select_branch` owner: {branch: share of the updates that train it}; {} while unknown."""
+        return {}
+
+    def gate_verdict(self, first, step, steps_left):
+        """For a measurable `select_branch` owner whose branches compile one by one: whether they
+        could pay back their compilation in the `steps_left` of this fit, from the first full
+        step's time `first` (it compiled) and a full step's `step` (seconds, the workers' mean).
+        Returns `(pays, numbers)`, as `verdict`; the base always pays (no gate)."""
+        return True, ""
+
     def steps_to_boundary(self):
         """For a `window` owner: (steps left in this window, steps per window), Python ints; None if unknown."""
         return None

@@ -108,6 +108,11 @@ class BoostStep:
     def _with(self, hook):
         return [s for s in self.stages if s.overrides(hook)]
 
+    def branching(self):
+        """The stage that chooses each step's branch (`select_branch`: gradient freezing), or None."""
+        selecting = self._with("select_branch")
+        return selecting[0] if selecting else None
+
     # --------------------------------------------------------------- build
     def build(self, state, later=()):
         """Builds the optimizer and every stage (eagerly), in registry order.

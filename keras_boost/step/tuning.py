@@ -48,13 +48,6 @@ import keras
 
 from keras_boost import distributed
 
-# The most of a step that freezing can save: the backward pass (about two thirds of a
-# training step: two matrix products per forward one), had every partial group frozen all
-# of it. Real savings are far smaller (8-9% on ResNet50, docs/benchmarks.md), so the gate
-# switches freezing off only where it cannot pay.
-BACKWARD_SHARE = 2.0 / 3.0
-
-
 class SelfMeasurement(keras.callbacks.Callback):
     """Times the boost step's branches in `fit` and switches off the measured stages that do not pay.
 
@@ -98,27 +91,28 @@ class SelfMeasurement(keras.callbacks.Callback):
     def decided(self):
         return self.decisions is not None
 
-    def _freeze(self):
-        freeze = self.model.boost_step.freeze
-        return freeze if freeze is not None and freeze.is_on() else None
+    def _branching(self):
+        """The stage that chooses each step's branch (`select_branch`), while it is on; else None."""
+        selecting = self.model.boost_step.branching()
+        return selecting if selecting is not None and selecting.is_on() else None
 
     def _needed(self):
-        """{branch: steps to time}: the full step, and each group the freeze schedule trains."""
-        freeze = self._freeze()
-        groups = {0, *freeze.shares()} if freeze is not None and freeze.plan is not None else {0}
+        """{branch: steps to time}: the full step, and each branch the selecting stage trains."""
+        selecting = self._branching()
+        groups = {0, *selecting.shares()} if selecting is not None else {0}
         return {g: self.full_steps if g == 0 else self.branch_steps for g in groups}
 
     def on_train_begin(self, logs=None):
         self._first_epoch = None
         self._steps_run = 0
-        freeze = self._freeze()
-        if not self.gate or self.decided or self._gate_passed or freeze is None or freeze not in self.stages:
+        selecting = self._branching()
+        if not self.gate or self.decided or self._gate_passed or selecting is None or selecting not in self.stages:
             return
         self._gate_passed = True  # one gate per model: a later fit goes on from the decision
         self._epoch_steps = self.params.get("steps") if self.params else None  # None: learnt at the first epoch's end
         if not self._at_boundary():
             return  # a fit that starts inside an accumulation window (a resumed one) keeps its group
-        freeze.switch_off()  # held back: full steps while the gate times them
+        selecting.switch_off()  # held back: full steps while the gate times them
         self._gate = []
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -141,11 +135,12 @@ class SelfMeasurement(keras.callbacks.Callback):
             return
         if self.decided:
             return
-        freeze = self._freeze()
+        selecting = self._branching()
         first_of_epoch, self._first_of_epoch = self._first_of_epoch, False
-        if freeze is not None and freeze.plan is None:
+        upcoming = selecting.upcoming_branch() if selecting is not None else (0, 1)
+        if upcoming is None:
             return  # the step is built by its first call: the branch of this one is not known yet
-        self._branch = freeze.upcoming_branch()[0] if freeze is not None else 0
+        self._branch = upcoming[0]
         first_of_branch = self._branch not in self._seen
         self._seen.add(self._branch)
         if not (first_of_epoch or first_of_branch):
@@ -165,8 +160,8 @@ class SelfMeasurement(keras.callbacks.Callback):
             self._decide(sorted(needed))
 
     def _at_boundary(self):
-        """Whether no gradient accumulation window is open: a switch changes freezing's group only
-        between windows (a window trains one group; its accumulators are read and reset by group)."""
+        """Whether no window of updates is open (`window` owners): a switch changes the branch only
+        between windows (a window trains one branch; its sums are read and reset by branch)."""
         return self.model.boost_step.at_window_boundary()
 
     def _try_closing_gate(self):
@@ -180,7 +175,7 @@ class SelfMeasurement(keras.callbacks.Callback):
                 self._first_step = max(self._first_step, self._gate[0])
             self._gate = None
             self._gate_passed = False
-            self.model.boost_step.freeze.switch.assign(True)
+            self.model.boost_step.branching().switch.assign(True)
         if not self.decided and not self._told and self.verbose and distributed.rank() == 0:
             self._told = True
             names = ", ".join(s.option for s in self.stages)
@@ -190,32 +185,25 @@ class SelfMeasurement(keras.callbacks.Callback):
                   f"{timed} steps per branch, needed {self._needed()}); the next fit goes on timing", flush=True)
 
     def _close_gate(self):
-        """Whether the freeze groups could pay back their compilation in what is left of this fit."""
+        """Whether the selecting stage's branches could pay back their compilation in what is left of this fit."""
         gate, self._gate = self._gate, None
         # the same count on every worker; the first step that compiled may have been an earlier fit's
         local = {"first": max(gate[0], self._first_step), "step": statistics.median(gate[1:])}
-        measured = _every_worker(local, "keras_boost_freeze_gate")
+        measured = _every_worker(local, "keras_boost_branch_gate")
         first = statistics.fmean(m["first"] for m in measured)
         step = statistics.fmean(m["step"] for m in measured)
         self.times.setdefault(0, []).extend(gate[1:])  # full steps, after the one that compiled
         self._seen.add(0)
-        freeze = self.model.boost_step.freeze
-        shares = freeze.shares()
-        partial = sorted(g for g in shares if g != 0)
+        selecting = self.model.boost_step.branching()
         left = (self.params["epochs"] - (self._first_epoch or 0)) * self._epoch_steps - self._steps_run
-        saving = max(left, 0) * (1.0 - shares.get(0, 0.0)) * BACKWARD_SHARE * step
-        compiling = len(partial) * max(first - step, 0.0)
-        if saving >= compiling:
-            freeze.switch.assign(True)
+        pays, numbers = selecting.gate_verdict(first, step, left)
+        if pays:
+            selecting.switch.assign(True)
             return
-        numbers = (f"its {len(partial)} partial groups would each compile about as long as the full step "
-                   f"({first - step:.2f} s: first step {first:.2f} s, then {1000 * step:.1f} ms), "
-                   f"{compiling:.2f} s in all, and the {left} steps left of this fit could save at most "
-                   f"{saving:.2f} s (the whole backward pass of every partial step)")
-        self._gated = (freeze.option, False, numbers)
-        self.stages.remove(freeze)
+        self._gated = (selecting.option, False, numbers)
+        self.stages.remove(selecting)
         if self.verbose and distributed.rank() == 0:
-            print(f"keras_boost: {self.model.auto_boost.level}'s {freeze.option} switched off "
+            print(f"keras_boost: {self.model.auto_boost.level}'s {selecting.option} switched off "
                   f"{self._where()} before compiling its groups: {numbers}", flush=True)
         if not self.stages:
             self.decisions = [self._gated]

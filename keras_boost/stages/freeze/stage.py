@@ -14,6 +14,12 @@ from keras_boost.stages.freeze.groups import resolve_paths
 from keras_boost.stages.freeze.optimizer import FreezeOpt, GradientFreeze, freeze_cell
 
 
+# The most of a step that freezing can save: the backward pass (about two thirds of a
+# training step: two matrix products per forward one), had every partial group frozen all
+# of it. Real savings are far smaller (docs/freeze.md), so the gate switches freezing off only
+# where it cannot pay.
+BACKWARD_SHARE = 2.0 / 3.0
+
 class FreezeStage(Stage):
     """The gradient-freeze stage of the boost step: which group trains, and where the sequence stands.
 
@@ -122,6 +128,8 @@ class FreezeStage(Stage):
 
     def upcoming_branch(self):
         """(group, updates): the group of the next update and how many updates in a row train it."""
+        if self.plan is None:
+            return None  # not built yet: the step's first call builds it
         schedule, period = self.plan.schedule, self.plan.period
         if not self.is_on():  # switched off by self-measurement: the full step, always
             return 0, period
@@ -170,6 +178,8 @@ class FreezeStage(Stage):
 
     def shares(self):
         """{group: share of the steps that train it} over one period of the sequence."""
+        if self.plan is None:
+            return {}
         groups, counts = np.unique(np.asarray(self.plan.schedule), return_counts=True)
         return {int(g): float(c) / len(self.plan.schedule) for g, c in zip(groups, counts)}
 
@@ -182,6 +192,20 @@ class FreezeStage(Stage):
             f"the freeze schedule's mean step takes {1000 * mean:.1f} ms against the full step's "
             f"{1000 * times[0]:.1f} ms ({100 * saving:+.1f}% saved; kept from {100 * self.min_saving:.0f}%; "
             f"groups {groups})")
+
+    def gate_verdict(self, first, step, steps_left):
+        """Whether the partial groups could pay back their compilation (each about as long as the
+        full step's, `first - step`) in `steps_left`, saving at most `BACKWARD_SHARE` of a step on
+        every partial step of the schedule (`keras_boost.step.tuning`'s gate)."""
+        shares = self.shares()
+        partial = sorted(g for g in shares if g != 0)
+        saving = max(steps_left, 0) * (1.0 - shares.get(0, 0.0)) * BACKWARD_SHARE * step
+        compiling = len(partial) * max(first - step, 0.0)
+        return saving >= compiling, (
+            f"its {len(partial)} partial groups would each compile about as long as the full step "
+            f"({first - step:.2f} s: first step {first:.2f} s, then {1000 * step:.1f} ms), {compiling:.2f} s in all, "
+            f"and the {steps_left} steps left of this fit could save at most {saving:.2f} s (the whole backward "
+            "pass of every partial step)")
 
     log_keys = ("freeze_group",)
 
