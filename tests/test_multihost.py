@@ -234,7 +234,7 @@ def test_a_host_that_drops_off_under_mpi_is_named_by_the_workers_and_the_launche
     command = cluster.command(first, [Path(sys.prefix) / "bin" / "keras-boost", "train", "--hosts",
                                       f"{first}:1,{lost}:1", "--controller", "mpi", "--epochs", "30",
                                       "--train-samples", "4096", "--batch-size", "32"])
-    env = cluster.env(launch_env({"KERAS_BOOST_STALL_TIMEOUT": "20"}))
+    env = cluster.env(launch_env({"KERAS_BOOST_STALL_TIMEOUT": "10"}))
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -256,6 +256,7 @@ def test_a_host_that_drops_off_under_mpi_is_named_by_the_workers_and_the_launche
     assert workers and f"rank 1 on {lost}" in workers[0], text[-4000:]
     summary = text[text.rindex("keras-boost: the job ended with status"):]
     assert f"nothing heard from rank 1 on {lost}" in summary and "keras-boost: to go on, relaunch:" in summary, summary
-    # the watchdog (stall 20 s, plus Horovod's shutdown under MPI) and the launcher's NAMED_GRACE
-    assert took < 20 + 20 + 10 + 20, (took, text[-4000:])
+    # the watchdog (stall 10 s, plus Horovod's check period and 5 s under MPI), the launcher's NAMED_GRACE
+    # and mpirun's end, on a loaded machine
+    assert took < 10 + 10 + 10 + 25, (took, text[-4000:])
     cluster.wait_ssh(lost)

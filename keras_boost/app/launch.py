@@ -223,7 +223,7 @@ def run_launcher(command, grace=None, echo=True, relaunch=None):
                 said = _RANK_TAG.sub("", text[text.index(mark):]) if mark in text else None
                 if said and said not in named:
                     named.append(said)
-            if any(mark in text for mark in _NAMED):
+            if any(mark in text for mark in _NAMED) or (LOST_MARK in text and "nothing heard from" in text):
                 ending.setdefault("at", time.monotonic())
                 ending["grace"] = min(grace, NAMED_GRACE)
             if echo and "killed" not in ending:  # not mpirun's own crash on the way out after SIGTERM

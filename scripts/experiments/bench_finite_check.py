@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_boost.stages.loss_scale import all_finite
+from keras_boost.core.contract import all_finite
 
 
 def is_finite_all(grads):
