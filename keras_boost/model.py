@@ -51,10 +51,11 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             into `trainable_variables` at which to start a new fused allreduce (MindSpore's
             `gradient_split_groups` / `ParameterProcess` fusion groups).
         stages: more `keras_boost.step.Stage` objects to run in the step.
-        **kwargs: Keras' own compile arguments, and the options of the other registered
-            stages: keras_boost's `fused_update`, `fused_batchnorm`, `conv_matmul` (bools; on at O1/O2),
-            `gradient_clipping`, `compression`, `hierarchical_allreduce` (see their pages
-            in docs/), and those registered with `keras_boost.step.registry.register`.
+        **kwargs: Keras' own compile arguments, and every registered stage's option
+            (`keras_boost.step.registry.options()`): those above, keras_boost's `fused_update`,
+            `fused_batchnorm`, `conv_matmul` (bools; on at O1/O2), `gradient_clipping`,
+            `compression`, `hierarchical_allreduce` (see their pages in docs/), and those
+            registered with `keras_boost.step.registry.register`.
 
     Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`;
     MindSpore's `boost_config_dict=` is accepted as an alias of `boost_config`):
@@ -109,21 +110,16 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         object.__setattr__(self, "self_measurement", None)
 
     # --------------------------------------------------------------- compile
-    def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, loss_scale=None, gradient_accumulation=None,
-                gradient_freeze=None, gradient_centralization=None, adasum=None, gradient_split_groups=None,
-                nan_guard=False, stages=(), **kwargs):
+    def compile(self, optimizer="rmsprop", loss=None, *, sens=1.0, gradient_split_groups=None, stages=(), **kwargs):
         from keras_boost.fit.dropin import make_distributed_optimizer
 
-        given = {"loss_scale": loss_scale, "gradient_accumulation": gradient_accumulation,
-                 "gradient_freeze": gradient_freeze, "gradient_centralization": gradient_centralization,
-                 "adasum": adasum, "nan_guard": nan_guard, "gradient_split_groups": gradient_split_groups}
-        optimizer = registry.unwrap_optimizer(optimizer, given)  # a FreezeOpt becomes the freeze stage
-        for option in registry.options():  # options of stages registered by users
-            if option in kwargs:
-                given[option] = kwargs.pop(option)
+        # The boost options are the registered stages' options (`registry.options()`); the rest is Keras'.
+        given = {option: kwargs.pop(option) for option in registry.options() if option in kwargs}
+        given["gradient_split_groups"] = gradient_split_groups
+        optimizer = registry.unwrap_optimizer(optimizer, given)  # an optimizer adapter becomes its stage
         from_level = set()
         if self.auto_boost is not None:  # the level's stages, unless given explicitly
-            covered = getattr(optimizer, "boost_option", None)  # e.g. a GC optimizer (OptimizerProcess)
+            covered = getattr(optimizer, "boost_option", None)  # an optimizer adapter that stays the optimizer
             for name, value in registry.level_options(self.auto_boost).items():
                 if name != covered and given.get(name) is None:
                     given[name] = value

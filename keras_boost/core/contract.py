@@ -103,6 +103,7 @@ class Stage:
     measurable = False
     level_section = None
     log_keys = ()  # the keys of what `logs` returns (known before the stage is built)
+    carries_votes = False  # a `reduce` owner: whether a scalar added to its list is averaged in the same collective
     switch = None  # a boolean tf.Variable once `add_switch` made one: the stage acts while it is True
     on_with_true = False  # whether `compile(<option>=True)` makes the stage with its defaults (`from_option`)
 
@@ -321,6 +322,15 @@ class Stage:
 
     def overrides(self, hook):
         return getattr(type(self), hook) is not getattr(Stage, hook)
+
+
+def run_if(predicate, fn):
+    """Runs `fn` (for its effects) inside the compiled step only when `predicate` holds."""
+    def taken():
+        fn()
+        return tf.constant(True)
+
+    return tf.cond(predicate, taken, lambda: tf.constant(False))
 
 
 def map_values(fn, grad):

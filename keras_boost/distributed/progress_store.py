@@ -11,7 +11,10 @@ import socket
 
 _SCOPE = "keras_boost_progress"
 
-STORE_ENV = "KERAS_BOOST_PROGRESS_STORE"  # "address:port" of the store rank 0 serves (`serve_store`)
+# This process's view of the store rank 0 serves (`serve_store`): {"address": "host:port"} once known.
+# Kept in the module, not in the environment: a process that this one starts (a launch from a
+# test, a script's own subprocess) must not inherit it.
+_served = {}
 
 
 class ProgressStore:
@@ -22,8 +25,8 @@ class ProgressStore:
         self.addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
         self.port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
         self.owner = "the launcher"
-        if not (self.addr and self.port) and os.environ.get(STORE_ENV):
-            self.addr, _, self.port = os.environ[STORE_ENV].rpartition(":")
+        if not (self.addr and self.port) and _served.get("address"):
+            self.addr, _, self.port = _served["address"].rpartition(":")
             self.owner = "rank 0's progress store"
 
     @property
@@ -54,9 +57,6 @@ class ProgressStore:
             return codec.loads_base64(response.read())
 
 
-_served = {}
-
-
 def serve_store(rank, size, local_size, broadcast_object):
     """Gives the workers a key-value store for their positions where the launcher has none.
 
@@ -66,7 +66,7 @@ def serve_store(rank, size, local_size, broadcast_object):
     first of rank 0's addresses it can connect to. Called by `distributed.init` on every rank;
     a store nobody can reach only leaves the messages without the other ranks' positions.
     """
-    if size < 2 or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or STORE_ENV in os.environ:
+    if size < 2 or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or "address" in _served:
         return
     offer = None
     if rank == 0:
@@ -82,7 +82,7 @@ def serve_store(rank, size, local_size, broadcast_object):
             socket.create_connection((address, port), timeout=1.0).close()
         except OSError:
             continue
-        os.environ[STORE_ENV] = f"{address}:{port}"
+        _served["address"] = f"{address}:{port}"
         return
 
 

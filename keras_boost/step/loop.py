@@ -4,19 +4,19 @@
 `keras_boost.core.contract`, not the features: the stages come from the registry
 (`keras_boost.step.registry`), in its order, and each acts only at the hooks it overrides.
 
-    [select_branch: group k] -> [around_forward: fused BatchNorm] forward + loss -> scale_loss
-    -> gradients of group k only -> local_gradients -> [window: go on only at a boundary]
+    [select_branch: branch k] -> [around_forward] forward + loss -> scale_loss
+    -> gradients of branch k's variables only -> local_gradients -> [window: go on only at a boundary]
     -> encode -> reduce (default: one grouped allreduce; gradient_split_groups: one per group, or
        "each": every gradient to Horovod as soon as it exists; the workers' stop votes ride along) -> decode
     -> [column_sums -> agree_finite -> should_skip: one decision, identical on every worker]
-    -> transform -> [around_update: fused kernels] apply_update (default: optimizer.apply) -> after_update -> logs
+    -> transform -> [around_update] apply_update (default: optimizer.apply) -> after_update -> logs
 
-With several branches (gradient freezing), `BoostModel.fit` and the standalone step compile
+With several branches (a `select_branch` stage), `BoostModel.fit` and the standalone step compile
 one function per branch, when it is first needed, and choose it from Python between steps
 (`keras_boost.step.dispatch`): the first step traces one branch, not all of them, and each
 branch's graph holds only its own forward and backward pass. Inside a caller's own
 `tf.function` the branches are chosen with `tf.switch_case` instead; only the taken branch
-runs. Either way the backward pass through the frozen prefix is never computed.
+runs. Either way the backward pass through the variables a branch leaves out is never computed.
 """
 
 import contextlib
@@ -26,26 +26,19 @@ import keras
 import tensorflow as tf
 
 from keras_boost import _keras_compat, _validation, distributed
-from keras_boost.core.contract import SINGLE_HOOKS, Stage, StepContext, all_finite
+from keras_boost.core.contract import SINGLE_HOOKS, StepContext, all_finite, run_if
 from keras_boost.step import registry
+from keras_boost.step.planning import BranchPlanning
+from keras_boost.step.votes import StopVotes, reduce_with_votes
 
 
-def run_if(predicate, fn):
-    """Runs `fn` (for its effects) inside the compiled step only when `predicate` holds."""
-    def taken():
-        fn()
-        return tf.constant(True)
-
-    return tf.cond(predicate, taken, lambda: tf.constant(False))
-
-
-class BoostStep:
+class BoostStep(BranchPlanning):
     """One boost training step of `model` with `optimizer`: the loop over the stages' hooks.
 
     Args:
         model: the Keras model being trained (usually a `BoostModel`, which owns the step).
         optimizer: a built or unbuilt `keras.optimizers.Optimizer`; an optimizer adapter of a
-            stage (`FreezeOpt`) is unwrapped into that stage (`registry.unwrap_optimizer`).
+            stage is unwrapped into that stage (`registry.unwrap_optimizer`).
         sens: scale of the loss gradient, default 1.0. As in MindSpore the gradients stay
             multiplied by it (with plain SGD it scales the learning rate); use a loss-scale
             stage for mixed precision instead.
@@ -56,13 +49,12 @@ class BoostStep:
         loss_fn: the loss, `loss_fn(y, y_pred[, sample_weight])` (MindSpore's
             `WithLossCell(network, loss_fn)`); default: the loss the model was compiled
             with. Regularization losses of the model are added.
-        **options: the stage options of `BoostModel.compile` (`loss_scale`,
-            `gradient_accumulation`, ..., and those of stages registered with
-            `registry.register`), turned into stages by the registry; a ready stage
-            object is accepted too.
+        **options: the stage options of `BoostModel.compile` (`registry.options()`, those
+            of stages registered with `registry.register` included), turned into stages by
+            the registry; a ready stage object is accepted too.
 
-    The step exposes each stage under its `step_attribute` (`step.loss_scale`,
-    `step.freeze`, ...: None when off). MindSpore's callable cell over this loop is
+    The step exposes each stage under its `step_attribute` (None when off) and by its
+    option (`step.stage(option)`). MindSpore's callable cell over this loop is
     `keras_boost.BoostTrainOneStep` (`keras_boost/mindspore/cells.py`).
     """
 
@@ -71,7 +63,7 @@ class BoostStep:
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model, got {model!r} ({type(model).__name__}).")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer (a FreezeOpt included), got "
+            raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer (an optimizer adapter included), got "
                             f"{type(optimizer).__name__}.")
         optimizer = registry.unwrap_optimizer(optimizer, options)
         if loss_fn is not None and not callable(loss_fn):
@@ -83,7 +75,7 @@ class BoostStep:
         self.sens = _validation.check_sens(sens)
         self.split_points = _validation.check_split_points(gradient_split_groups)
         self.stop_votes = None  # made by build() on several workers (`StopVotes`)
-        self.stages = registry.make_stages(options, model, extra=[_check_stage(s) for s in stages],
+        self.stages = registry.make_stages(options, model, extra=[registry.check_stage(s) for s in stages],
                                            defaults={"gradient_split_groups": gradient_split_groups})
         for stage in self.stages:
             stage.check_optimizer(optimizer)
@@ -99,7 +91,7 @@ class BoostStep:
         return next((s for s in self.stages if s.option == option), None)
 
     def __getattr__(self, name):
-        # step.loss_scale, step.freeze, ...: a stage under its `step_attribute`, None when off.
+        # a stage under its `step_attribute` (`Stage.step_attribute`), None when off.
         option = registry.step_attributes().get(name) if not name.startswith("_") else None
         if option is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -108,17 +100,12 @@ class BoostStep:
     def _with(self, hook):
         return [s for s in self.stages if s.overrides(hook)]
 
-    def branching(self):
-        """The stage that chooses each step's branch (`select_branch`: gradient freezing), or None."""
-        selecting = self._with("select_branch")
-        return selecting[0] if selecting else None
-
     # --------------------------------------------------------------- build
     def build(self, state, later=()):
         """Builds the optimizer and every stage (eagerly), in registry order.
 
-        `later`: options of stages not built now (elastic training builds AdaSum's process
-        sets at the workers' first agreement, `fit/elastic.py`).
+        `later`: options of stages not built now (elastic training builds the stages that
+        depend on the set of workers at their first agreement, `Stage.workers_changed`).
         """
         if self.built:
             return
@@ -148,44 +135,11 @@ class BoostStep:
     def train_step(self, data, branch=None):
         """One step inside a compiled `train_step` (what `BoostModel.train_step` runs); returns the logs.
 
-        `branch`: None chooses the freeze group inside the step (`tf.switch_case`); a Python
-        int compiles only that group's step (the caller chose it with `next_branch`).
+        `branch`: None chooses the branch inside the step (`tf.switch_case`); a Python
+        int compiles only that branch's step (the caller chose it with `next_branch`).
         """
         with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
             return self._train_step(data, branch)
-
-    def plans_branches(self):
-        """Whether the branch of each step can be chosen from Python (`next_branch`)."""
-        self._require_built()
-        return len(self._groups) > 1 and self._with("select_branch")[0].upcoming_branch() is not None
-
-    def window_left(self):
-        """(micro-batches left in the open accumulation window, per window), read between steps;
-        (1, 1) without a window stage, None where the window cannot say."""
-        windowing = self._with("window")
-        return windowing[0].steps_to_boundary() if windowing else (1, 1)
-
-    def at_window_boundary(self):
-        """Whether no accumulation window is open (True where the window cannot say)."""
-        window = self.window_left()
-        return window is None or window[0] == window[1]
-
-    def next_branch(self, limit):
-        """(branch, steps): the branch the next step trains, and for how many steps in a row (1..limit).
-
-        Read from the state variables between steps, so it follows a restored or re-formed
-        run; identical on every worker, whose state is identical.
-        """
-        branch, updates = self._with("select_branch")[0].upcoming_branch()
-        window = self.window_left()
-        if window is None:  # a window that cannot say where it ends: one step at a time
-            return branch, 1
-        first, per_update = window
-        return branch, max(1, min(limit, first + (updates - 1) * per_update))
-
-    def branches_ahead(self):
-        """The branches the coming updates train, each once, in the order they first come (Python ints)."""
-        return self._with("select_branch")[0].branches_ahead()
 
     def _train_step(self, data, branch=None):
         distributed.start_trace()
@@ -198,7 +152,7 @@ class BoostStep:
         return logs
 
     def _run(self, x, y, sample_weight, branch=None):
-        """The step through the branch of this step's freeze group; returns (loss, y_pred)."""
+        """The step through this step's branch; returns (loss, y_pred)."""
         if len(self._groups) == 1:
             return self._branch(self._groups[0], x, y, sample_weight)
         if branch is not None:
@@ -286,15 +240,15 @@ class BoostStep:
     def _update(self, grads, indices, in_cond=False):
         """Communicates once, decides for all workers whether to apply, applies, then after_update.
 
-        `in_cond`: this runs inside a `tf.cond` branch (an accumulation window's boundary).
+        `in_cond`: this runs inside a `tf.cond` branch (a window's boundary).
         """
         reducer = self._with("reduce")[0]
         grads = self._communicate(grads, indices, reducer.reduce, votes=self.stop_votes,
-                                  carries=getattr(reducer, "carries_votes", False))
+                                  carries=reducer.carries_votes)
         variables = [self._variables[i] for i in indices]
         finite = sums = None
         if self._needs_finite:
-            summing = self._with("column_sums")  # e.g. centralization's: the check reads them, not the gradients
+            summing = self._with("column_sums")  # the check reads a stage's sums, not the gradients again
             sums = summing[0].column_sums(grads, variables) if summing else None
             finite = all_finite(grads, sums)
             for stage in self._with("agree_finite"):
@@ -318,16 +272,7 @@ class BoostStep:
         """
         for stage in self._with("encode"):
             grads = stage.encode(grads, indices)
-        if votes is None:
-            grads = reduce(grads, indices)
-        else:
-            dense = [g for g in grads if not isinstance(g, tf.IndexedSlices) and g.dtype.is_floating]
-            if carries and dense:  # in the group of the first dense gradient's dtype: 0/1 means are exact enough
-                reduced = reduce(list(grads) + [tf.cast(votes.vote, dense[0].dtype)], list(indices) + [indices[-1]])
-                grads, agreed = reduced[:-1], reduced[-1]
-            else:
-                grads, agreed = reduce(grads, indices), distributed.allreduce(votes.vote)
-            votes.agreed.assign(tf.cast(agreed, tf.float32))
+        grads = reduce_with_votes(reduce, grads, indices, votes, carries)
         for stage in reversed(self._with("decode")):
             grads = stage.decode(grads, indices)
         return grads
@@ -348,30 +293,3 @@ class BoostStep:
             for stage in self._with("around_update"):
                 around.enter_context(stage.around_update(self.optimizer))
             self._with("apply_update")[0].apply_update(self.optimizer, grads, variables)
-
-
-class StopVotes:
-    """Every worker's request to stop `fit`, averaged with each update's gradients.
-
-    `vote` is this worker's request (1.0: a callback set `model.stop_training`), set between
-    steps by `keras_boost.callbacks.StopTogether`; `agreed` is the mean of every worker's
-    vote at the last update, identical on every worker and > 0 when one of them asked. So a
-    stop asked on any worker takes effect on all of them after the next update, at no
-    collective of its own (the vote rides in the gradients' allreduce). Plain TensorFlow
-    variables of the step, outside the model: never saved, never broadcast.
-    """
-
-    def __init__(self):
-        with tf.init_scope():
-            self.vote = tf.Variable(0.0, trainable=False, name="stop_vote")
-            self.agreed = tf.Variable(0.0, trainable=False, name="stop_agreed")
-
-    def reset(self):
-        self.vote.assign(0.0)
-        self.agreed.assign(0.0)
-
-
-def _check_stage(stage):
-    if not isinstance(stage, Stage):
-        raise TypeError(f"`stages` must hold keras_boost Stage objects, got {stage!r} ({type(stage).__name__}).")
-    return stage

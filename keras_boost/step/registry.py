@@ -194,3 +194,10 @@ def _ensure_builtin():
     builtin = [_Entry(_stage_class(module, name), unless) for module, name, unless in BUILTIN]
     _ENTRIES[:0] = [e for e in builtin if e.cls.option not in [x.cls.option for x in _ENTRIES]]
     _DEFAULTS[:] = [_stage_class(module, name) for module, name in BUILTIN_DEFAULTS]
+
+
+def check_stage(stage):
+    """`stage`, when it is a Stage (a `stages=[...]` entry); TypeError otherwise."""
+    if not isinstance(stage, Stage):
+        raise TypeError(f"`stages` must hold keras_boost Stage objects, got {stage!r} ({type(stage).__name__}).")
+    return stage

@@ -1,35 +1,29 @@
 """Self-measurement: a boost level's stages that do not pay on this model and launch are switched off.
 
-MindSpore's O1 switches gradient freezing and gradient centralization on for every model.
-On a small network, or on several workers whose step is mostly communication, freezing's
-partial steps save less than its machinery costs, and centralization is pure cost. So when
-a boost level (not the user, by name or by a configuration section) switched a measurable
-stage on, `SelfMeasurement` times the steps of `fit`:
+A boost level switches stages on for every model, as MindSpore's O1 does. On a small
+network, or on several workers whose step is mostly communication, some of them cost more
+than they save. So when a boost level (not the user, by name or by a configuration section)
+switched a measurable stage on (`Stage.measurable`), `SelfMeasurement` times the steps of
+`fit`:
 
-- the steps of each branch (branch 0, the full step; with freezing, each partial group's
-  step), leaving out each epoch's first step (it also starts the epoch's data) and each
-  branch's first step (it traces the branch);
-- each stage's own cost out of the step (`Stage.measure_alone`: centralization's pass over
-  the kernels).
+- the steps of each branch (branch 0, the full step; with a `select_branch` stage, each
+  partial branch's step), leaving out each epoch's first step (it also starts the epoch's
+  data) and each branch's first step (it traces the branch);
+- each stage's own cost out of the step (`Stage.measure_alone`).
 
-Before the freeze groups are compiled, a gate asks whether they could pay back their
-compilation in this `fit` at all. Each group's step is compiled when the group first
-trains, or ahead in a background thread (`keras_boost.step.dispatch`); either way that
-work competes with the steps (TensorFlow's steps use every core): on ResNet50 in one
-process, with the groups traced ahead, a fit of 90 steps took 31.8 s with freezing and
-23.3 s without (docs/benchmarks.md). So when the fit's length is known, freezing waits
-for the first `gate_steps` steps (full steps; the sequence stands still; nothing is traced
-ahead), which time the first step (it compiles the full step) and the steps after it. If
-even an optimistic saving (the whole backward pass, `BACKWARD_SHARE` of a step, on every
-partial step of the schedule) over the fit's remaining steps stays below one compilation
-like the full step's per partial group, freezing is switched off for this model with one
-line and its numbers; otherwise it goes on as the schedule says. In a fit of unknown length
-(a `tf.data` pipeline without a cardinality, a generator) the gate holds freezing back for
-the whole first epoch, which gives the epoch's length (the same on every worker: uneven
-data ends every worker's epoch at the same step), and decides at its end. A fit that ends
-inside the gate (in its first `gate_steps` steps, or in its only epoch of unknown length)
-leaves freezing as configured, and the next fit gates again, its compilation estimate
-taken from the earlier fit's first step (the next fit's first step compiles nothing).
+Before the partial branches are compiled, a gate asks the branching stage whether they could
+pay back their compilation in this `fit` at all (`Stage.gate_verdict`): each branch's step is
+compiled when it first trains, or ahead in a background thread (`keras_boost.step.dispatch`),
+and either way that work competes with the steps. So when the fit's length is known, the
+branching stage waits for the first `gate_steps` steps (full steps; its sequence stands
+still; nothing is traced ahead), which time the first step (it compiles the full step) and
+the steps after it; then its `gate_verdict` decides from those times and the steps left. A
+stage that cannot pay is switched off for this model with one line and its numbers. In a fit
+of unknown length (a `tf.data` pipeline without a cardinality, a generator) the gate holds
+the branches back for the whole first epoch, which gives the epoch's length (the same on
+every worker: uneven data ends every worker's epoch at the same step), and decides at its
+end. A fit that ends inside the gate leaves the stage as configured, and the next fit gates
+again, its compilation estimate taken from the earlier fit's first step.
 
 Once every branch has been timed often enough, the workers average their numbers (one small
 allgather, at the same batch on every worker, so every worker takes the same decision), each
@@ -55,7 +49,7 @@ class SelfMeasurement(keras.callbacks.Callback):
         stages: the step's stages to measure (each `measurable`, with a switch).
         full_steps: full steps to time before deciding (default 5).
         branch_steps: steps of each partial branch to time before deciding (default 3).
-        gate_steps: full steps the gate times before the freeze groups compile (default 3:
+        gate_steps: full steps the gate times before the partial branches compile (default 3:
             the first, which compiles, and two more). `SelfMeasurement.gate = False` turns
             the gate off (the tests of the timing itself do).
         verbose: print the decision lines on rank 0 (default True).
@@ -63,7 +57,7 @@ class SelfMeasurement(keras.callbacks.Callback):
     After the decision, `decisions` is a list of `(stage option, kept, numbers)`.
     """
 
-    gate = True  # the gate before the freeze groups compile (see the module's text)
+    gate = True  # the gate before the partial branches compile (see the module's text)
 
     def __init__(self, stages, full_steps=5, branch_steps=3, verbose=True, gate_steps=3):
         super().__init__()
@@ -80,8 +74,8 @@ class SelfMeasurement(keras.callbacks.Callback):
         self._seen = set()
         self._start = None
         self._told = False
-        self._gate = None  # the times of the gate's steps while it holds freezing back
-        self._gated = None  # freezing's decision at the gate, when it switched freezing off
+        self._gate = None  # the times of the gate's steps while it holds the branches back
+        self._gated = None  # the branching stage's decision at the gate, when it switched it off
         self._gate_passed = False
         self._epoch_steps = None  # the fit's steps per epoch, once known
         self._epoch_start = 0
@@ -111,7 +105,7 @@ class SelfMeasurement(keras.callbacks.Callback):
         self._gate_passed = True  # one gate per model: a later fit goes on from the decision
         self._epoch_steps = self.params.get("steps") if self.params else None  # None: learnt at the first epoch's end
         if not self._at_boundary():
-            return  # a fit that starts inside an accumulation window (a resumed one) keeps its group
+            return  # a fit that starts inside a window (a resumed one) keeps its branch
         selecting.switch_off()  # held back: full steps while the gate times them
         self._gate = []
 
@@ -170,7 +164,7 @@ class SelfMeasurement(keras.callbacks.Callback):
             self._close_gate()
 
     def on_train_end(self, logs=None):
-        if self._gate is not None:  # the fit ended inside the gate: freezing as configured, the next fit gates
+        if self._gate is not None:  # the fit ended inside the gate: the stage as configured, the next fit gates
             if self._gate:  # its first step compiled the full step; the next fit's first step will not
                 self._first_step = max(self._first_step, self._gate[0])
             self._gate = None
