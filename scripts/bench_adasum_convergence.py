@@ -69,7 +69,7 @@ def train_one(kind, lr, train, test, args):
     keras.utils.set_random_seed(args.seed)  # same shuffling for every run
     model.fit(*train, batch_size=args.batch_size, epochs=args.epochs, shuffle=True, verbose=0,
               callbacks=[clock])
-    backend = model.boost_step.adasum.combine_backend if model.boost_step.adasum is not None else None
+    backend = model.boost_step.stage("adasum").combine_backend if model.boost_step.stage("adasum") is not None else None
     return {"run": f"{kind}:{lr}", "kind": kind, "lr": lr, "epoch_times": clock.times,
             "accuracies": clock.accuracies, "train_losses": clock.losses, "combine": backend}
 

@@ -48,7 +48,7 @@ def micro_steps(model, x, y, batch=16):
 
 
 def acc_state(model):
-    stage = model.boost_step.accumulation
+    stage = model.boost_step.stage("gradient_accumulation")
     return int(stage.micro_step.numpy()), [np.array(a) for a in stage.accumulators]
 
 
@@ -273,4 +273,4 @@ def test_bad_accumulation_steps_are_refused():
     assert GradientAccumulation(np.int64(3)).max_accumulation_step == 3
     model = mlp()
     model.compile(optimizer="sgd", loss=LOSS, gradient_accumulation=1)
-    assert model.boost_step.accumulation is None  # 1 turns accumulation off
+    assert model.boost_step.stage("gradient_accumulation") is None  # 1 turns accumulation off

@@ -34,10 +34,10 @@ def test_o1_defaults_and_mindspore_defaults_on_request(config, gc, groups, strat
     model = BoostModel(base.inputs, base.outputs, boost_level="O1", boost_config=config)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     step = model.boost_step
-    assert isinstance(step.centralization, GradientCentralization) is gc
-    assert len(step.freeze.plan.branches) == groups
+    assert isinstance(step.stage("gradient_centralization"), GradientCentralization) is gc
+    assert len(step.stage("gradient_freeze").plan.branches) == groups
     expected = generate_freeze_index_sequence(groups, strategy, freeze_p, 40)
-    np.testing.assert_array_equal(np.asarray(step.freeze.plan.schedule[:40]), np.asarray(expected[:40]))
+    np.testing.assert_array_equal(np.asarray(step.stage("gradient_freeze").plan.schedule[:40]), np.asarray(expected[:40]))
 
 
 def test_modes():
@@ -105,8 +105,8 @@ def test_network_auto_process_train_demo_model():
     assert sum(isinstance(l, keras.layers.BatchNormalization) for l in base.layers) == 9  # input unchanged
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     step = model.boost_step
-    assert isinstance(step.freeze, FreezeStage)
-    assert isinstance(step.centralization, GradientCentralization) and isinstance(step.adasum, AdaSum)
+    assert isinstance(step.stage("gradient_freeze"), FreezeStage)
+    assert isinstance(step.stage("gradient_centralization"), GradientCentralization) and isinstance(step.stage("adasum"), AdaSum)
     x = np.random.default_rng(0).random((64, 28, 28, 1), dtype=np.float32)
     y = np.arange(64) % 10
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
@@ -124,8 +124,8 @@ def test_network_auto_process_train_resnet50():
     assert sum(isinstance(l, keras.layers.BatchNormalization) for l in model.layers) == 53 - 36
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     step = model.boost_step
-    assert isinstance(step.freeze, FreezeStage) and len(step.freeze.group_indices) == 2
-    assert isinstance(step.centralization, GradientCentralization) and step.adasum is None
+    assert isinstance(step.stage("gradient_freeze"), FreezeStage) and len(step.stage("gradient_freeze").group_indices) == 2
+    assert isinstance(step.stage("gradient_centralization"), GradientCentralization) and step.stage("adasum") is None
     x = np.random.default_rng(0).random((8, 32, 32, 3), dtype=np.float32)
     y = np.arange(8) % 10
     groups = []
@@ -135,11 +135,11 @@ def test_network_auto_process_train_resnet50():
         assert np.isfinite(logs["loss"])
         group = int(logs["freeze_group"])
         groups.append(group)
-        trained = set(step.freeze.group_indices[group])
+        trained = set(step.stage("gradient_freeze").group_indices[group])
         for index, (variable, old) in enumerate(zip(model.trainable_variables, before)):
             # the step's group trained (every one of its variables moved), the rest stayed bit-identical
             assert np.array_equal(np.array(variable), old) == (index not in trained), (group, variable.path)
-    assert groups == [int(g) for g in step.freeze.plan.schedule[:2]]
+    assert groups == [int(g) for g in step.stage("gradient_freeze").plan.schedule[:2]]
     assert int(model.optimizer.iterations.numpy()) == 2
 
 
@@ -148,11 +148,11 @@ def test_boost_level_on_the_model():
     model = BoostModel(base.inputs, base.outputs, boost_level="O1", boost_config={"grad_freeze": {"total_steps": 8}})
     assert model.less_bn_report.num_removed == 5
     model.compile(optimizer="sgd", loss="mse")
-    assert model.boost_step.freeze is not None
+    assert model.boost_step.stage("gradient_freeze") is not None
     explicit = BoostModel(base.inputs, base.outputs, boost_level="O1")
     explicit.compile(optimizer="sgd", loss="mse", gradient_centralization=False)
-    assert explicit.boost_step.centralization is None  # an explicit compile option wins...
-    assert explicit.boost_step.freeze is not None  # ...over the level's, for that option only
+    assert explicit.boost_step.stage("gradient_centralization") is None  # an explicit compile option wins...
+    assert explicit.boost_step.stage("gradient_freeze") is not None  # ...over the level's, for that option only
 
 
 def test_boost_level_without_less_bn_on_a_subclassed_model():
@@ -171,7 +171,7 @@ def test_boost_level_without_less_bn_on_a_subclassed_model():
     net.compile(optimizer="sgd", loss="mse")
     x, _ = classification_data(n=16)
     net.fit(x, np.zeros((16, 4), np.float32), verbose=0)
-    assert net.boost_step.freeze is not None
+    assert net.boost_step.stage("gradient_freeze") is not None
 
 
 def test_features_list_is_the_seed_subset():
@@ -196,7 +196,7 @@ def test_a_subclassed_boostmodel_at_a_lessbn_level_is_told_what_works():
     model = Net(boost_level="O1", boost_config=advice)
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    assert model.boost_step.freeze is not None  # the level's other features stay on
+    assert model.boost_step.stage("gradient_freeze") is not None  # the level's other features stay on
     x = np.random.default_rng(0).random((32, 8, 8, 1), dtype=np.float32)
     model.fit(x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
 
@@ -249,7 +249,7 @@ def test_false_switches_off_the_levels_stage_of_an_option(option, stage):
 def test_gradient_freeze_true_is_mindspores_default_freezing():
     model = BoostModel(*(lambda m: (m.inputs, m.outputs))(demo_resnet(model_class=keras.Model)))
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", gradient_freeze=True)
-    source = model.boost_step.freeze.source
+    source = model.boost_step.stage("gradient_freeze").source
     assert source.get_config() == kb.GradientFreeze().get_config()
     with pytest.raises(TypeError, match=r"`gradient_freeze` must be None, a bool, a GradientFreeze or a FreezeOpt, "
                                         r"got 'yes' \(str\)"):

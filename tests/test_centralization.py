@@ -135,7 +135,7 @@ def test_the_boost_step_applies_centralized_gradients():
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, gradient_centralization=True)
     before = {v.path: np.array(v) for v in model.trainable_variables}
     model.train_on_batch(x, y)
-    assert [v.path for v in model.boost_step.centralization.variables] == ["first/kernel", "second/kernel"]
+    assert [v.path for v in model.boost_step.stage("gradient_centralization").variables] == ["first/kernel", "second/kernel"]
     for variable in model.trainable_variables:
         g = grads[variable.path]
         if variable.path == "second/kernel":
@@ -172,7 +172,7 @@ def test_the_finite_check_adds_the_centralization_sums_instead_of_reading_the_gr
     model.boost_step.build(model.boost_state)
     kernels = {tuple(v.shape) for v in model.trainable_variables if len(v.shape) >= 2}
     assert len(_sums_reading(model, kernels)) == (0 if centralized else 3)  # one per kernel without GC
-    assert model.boost_step.nan_guard is not None
+    assert model.boost_step.stage("nan_guard") is not None
 
 
 def test_finite_check_with_column_sums_sees_every_non_finite_value():

@@ -217,7 +217,7 @@ def test_the_step_runs_one_pixel_convolutions_as_matrix_products(level, boost, c
         else:
             assert ops.count("Conv2D") == 3 and ops.count("DepthwiseConv2dNative") == 1
     if on:
-        assert model.boost_step.conv_matmul.rewritten == {layer.name for layer in convs[1:]}
+        assert model.boost_step.stage("conv_matmul").rewritten == {layer.name for layer in convs[1:]}
     predict_ops = [n.op for n in tf.function(lambda: model(x[:4], training=True)).get_concrete_function()
                    .graph.as_graph_def().node]
     assert predict_ops.count("Conv2D") == 3  # outside the step, Keras' layers
@@ -232,7 +232,7 @@ def test_fit_with_matrix_products_trains_as_keras_model(mode):
     model = _pixel_net(keras_boost.BoostModel)
     compile_sgd(model, lr=0.05, conv_matmul=True, **({mode: True} if mode != "graph" else {}))
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert len(model.boost_step.conv_matmul.rewritten) == 3
+    assert len(model.boost_step.stage("conv_matmul").rewritten) == 3
     for a, b in zip(weights(model), weights(keras_model)):
         # 12 updates: each call's rounding differences (module docstring) pass through the next updates;
         # the weights moved by more than 1e-2 (below)
@@ -252,7 +252,7 @@ def test_mixed_precision_keeps_the_layers_dtypes():
             keras.mixed_precision.set_dtype_policy("float32")
         compile_sgd(model, lr=0.05, conv_matmul=matmul)
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-        assert len(model.boost_step.conv_matmul.rewritten if matmul else ()) == (3 if matmul else 0)
+        assert len(model.boost_step.stage("conv_matmul").rewritten if matmul else ()) == (3 if matmul else 0)
         results.append(weights(model))
     for a, b in zip(*results):  # bfloat16 products: 8 bits of mantissa, ~4e-3 relative per rounding
         np.testing.assert_allclose(a, b, rtol=0, atol=3e-2)
@@ -266,9 +266,9 @@ def test_saved_model_keeps_the_option():
     path = f"{__import__('tempfile').mkdtemp()}/m.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert isinstance(loaded.boost_step.conv_matmul, ConvMatmul)
+    assert isinstance(loaded.boost_step.stage("conv_matmul"), ConvMatmul)
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert len(loaded.boost_step.conv_matmul.rewritten) == 3
+    assert len(loaded.boost_step.stage("conv_matmul").rewritten) == 3
 
 
 @pytest.mark.parametrize("level, boost, on", [

@@ -92,11 +92,11 @@ def test_set_weights_both_ways():
 
 def test_weights_h5_interop_both_ways(tmp_path):
     plain, boosted = _pair()
-    boosted.boost_step.loss_scale.scale.assign(64.0)
+    boosted.boost_step.stage("loss_scale").scale.assign(64.0)
     plain.save_weights(tmp_path / "plain.weights.h5")
     boosted.load_weights(tmp_path / "plain.weights.h5")  # a plain Keras file: the boost state is kept
     assert max_diff(weights(boosted), weights(plain)) == 0.0
-    assert float(boosted.boost_step.loss_scale.scale.numpy()) == 64.0
+    assert float(boosted.boost_step.stage("loss_scale").scale.numpy()) == 64.0
 
     boosted.layers[1].kernel.assign(boosted.layers[1].kernel + 1.0)
     boosted.save_weights(tmp_path / "boost.weights.h5")
@@ -108,7 +108,7 @@ def test_weights_h5_interop_both_ways(tmp_path):
     again.load_weights(tmp_path / "boost.weights.h5")
     compile_sgd(again, loss_scale="dynamic", gradient_accumulation=2)
     again.boost_step.build(again.boost_state)
-    assert float(again.boost_step.loss_scale.scale.numpy()) == 64.0
+    assert float(again.boost_step.stage("loss_scale").scale.numpy()) == 64.0
     assert max_diff(weights(again), weights(boosted)) == 0.0
 
 
@@ -162,11 +162,11 @@ def test_gc_optimizer_bad_input():
 
 def test_compile_gradient_centralization_all_selects_every_kernel():
     model = compile_sgd(mlp(seed=2), gradient_centralization="all")
-    assert [v.path for v in model.boost_step.centralization.variables] == [
+    assert [v.path for v in model.boost_step.stage("gradient_centralization").variables] == [
         v.path for v in model.trainable_variables if len(v.shape) >= 2]
-    assert model.boost_step.centralization.min_channels_multiple == 1
+    assert model.boost_step.stage("gradient_centralization").min_channels_multiple == 1
     default = compile_sgd(mlp(seed=2), gradient_centralization=True)
-    assert default.boost_step.centralization.min_channels_multiple == 16
+    assert default.boost_step.stage("gradient_centralization").min_channels_multiple == 16
     with pytest.raises(ValueError, match="`gradient_centralization` must be None, a bool, 'mindspore', 'all'"):
         compile_sgd(mlp(seed=2), gradient_centralization="every")
 

@@ -292,13 +292,13 @@ def test_the_groups_ahead_are_traced_in_the_background_in_the_order_they_come():
 
     x, y = classification_data(n=16 * 4, seed=3)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[AfterTheFirstStep()])
-    index = {tuple(model.boost_step.freeze.group_indices[g]): g for g in range(3)}
+    index = {tuple(model.boost_step.stage("gradient_freeze").group_indices[g]): g for g in range(3)}
     by = [(index[tuple(indices)], thread) for indices, thread in seen]
     assert by == [(2, "MainThread"), (0, "keras_boost-trace-groups"), (1, "keras_boost-trace-groups")]
     assert model.train_function.traced_ahead == [0, 1]
     # each also ran once on an empty iterator (set up, no step): 4 updates, the position at 0
     assert model.train_function.set_up_ahead == [0, 1]
-    assert int(model.optimizer.iterations.numpy()) == 4 and int(model.boost_step.freeze.position.numpy()) == 0
+    assert int(model.optimizer.iterations.numpy()) == 4 and int(model.boost_step.stage("gradient_freeze").position.numpy()) == 0
     assert len(traced) == 3  # steps 2 and 3 ran the traces made ahead: nothing traced again
     assert set(model.train_function.tracing_counts().values()) == {1}
     assert model.train_function._tracer is None  # fit ended it
@@ -474,7 +474,7 @@ def test_per_group_functions_equal_the_switch_case_step():
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         assert type(model.train_function).__name__ == ("BranchTrainFunction" if in_python else "function")
         results.append((weights(model), [np.array(v) for v in model.optimizer.variables], history.history,
-                        int(model.optimizer.iterations.numpy()), int(model.boost_step.freeze.position.numpy())))
+                        int(model.optimizer.iterations.numpy()), int(model.boost_step.stage("gradient_freeze").position.numpy())))
     (w1, o1, h1, n1, p1), (w2, o2, h2, n2, p2) = results
     assert n1 == n2 == 11 and p1 == p2 == 1  # 22 micro-batches, 2 per update; the sequence of 5 wrapped twice
     assert h1 == h2

@@ -232,7 +232,7 @@ def test_the_step_trains_each_batchnorm_with_one_kernel(level, boost, compile_op
     else:
         assert "FusedBatchNormV3" not in ops and ops.count("SquaredDifference") % len(layers) == 0
     if fused:
-        assert model.boost_step.fused_batchnorm.layers == layers
+        assert model.boost_step.stage("fused_batchnorm").layers == layers
     predict_ops = [n.op for n in tf.function(lambda: model(x[:4], training=True)).get_concrete_function()
                    .graph.as_graph_def().node]
     assert "FusedBatchNormV3" not in predict_ops  # outside the step, Keras' layer
@@ -303,9 +303,9 @@ def test_saved_model_keeps_the_option():
     path = f"{__import__('tempfile').mkdtemp()}/m.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert isinstance(loaded.boost_step.fused_batchnorm, FusedBatchNorm)
+    assert isinstance(loaded.boost_step.stage("fused_batchnorm"), FusedBatchNorm)
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert len(loaded.boost_step.fused_batchnorm.layers) == 3
+    assert len(loaded.boost_step.stage("fused_batchnorm").layers) == 3
     assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
 
 
@@ -344,9 +344,9 @@ def test_o1_trains_the_same_with_and_without_the_kernel():
                                        boost_config={"boost": {"fused_batchnorm": fused, "measure": False}})
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        assert (model.boost_step.fused_batchnorm is not None) is fused
+        assert (model.boost_step.stage("fused_batchnorm") is not None) is fused
         if fused:
-            assert len(model.boost_step.fused_batchnorm.layers) == model.less_bn_report.num_kept > 0
+            assert len(model.boost_step.stage("fused_batchnorm").layers) == model.less_bn_report.num_kept > 0
         start = weights(model)
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         results.append(weights(model))

@@ -217,7 +217,7 @@ def test_o1_trains_the_same_with_and_without_kernels():
                                        boost_config={"boost": {"fused_update": fused, "measure": False}})
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        assert (model.boost_step.fused_update is not None) is fused
+        assert (model.boost_step.stage("fused_update") is not None) is fused
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         results.append(weights(model))
     for a, b in zip(*results):

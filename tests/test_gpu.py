@@ -218,7 +218,7 @@ def test_mixed_float16_gets_the_dynamic_loss_scale():
 
     keras.config.set_dtype_policy(choose_policy("auto", "O1", [(7, 0)]))
     model = compile_sgd(mlp())
-    assert isinstance(model.boost_step.loss_scale, DynamicLossScale)
+    assert isinstance(model.boost_step.stage("loss_scale"), DynamicLossScale)
 
 
 # ------------------------------------------------------------------ AdaSum

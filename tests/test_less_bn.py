@@ -564,7 +564,7 @@ def test_a_level_keeps_every_batchnorm_when_an_output_is_not_a_classifier():
     _compile_two_headed(model, "reg")
     x, y = _two_headed_data("reg")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert not model.boost_step.centralization.is_on()  # GC makes up for removed BatchNorms: none removed
+    assert not model.boost_step.stage("gradient_centralization").is_on()  # GC makes up for removed BatchNorms: none removed
     forced = _two_headed(BoostModel, second="reg", boost_level="O1", boost_config={"less_bn": {"fn_flag": True}})
     assert forced.less_bn_report.num_removed >= 1  # the less_bn section given: MindSpore's LessBN
     assert isinstance(forced.get_layer("reg"), FNHead) and isinstance(forced.get_layer("cls"), FNHead)

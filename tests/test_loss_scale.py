@@ -107,7 +107,7 @@ def test_scaled_step_equals_unscaled_step():
 def test_scale_sense_tensor_forms(sense):
     model = mlp()
     step = BoostTrainOneStepWithLossScale(model, keras.optimizers.SGD(0.1), sense)
-    assert isinstance(step.loss_scale, FixedLossScale) and step.loss_scale.value == 64.0
+    assert isinstance(step.stage("loss_scale"), FixedLossScale) and step.stage("loss_scale").value == 64.0
 
 
 def test_scale_sense_variable_is_changed_from_the_host():
@@ -117,7 +117,7 @@ def test_scale_sense_variable_is_changed_from_the_host():
     sense.assign(8.0)
     scales, _ = run(model, batches(1))
     assert scales == [8.0]
-    model.boost_step.loss_scale.scale.assign(4.0)
+    model.boost_step.stage("loss_scale").scale.assign(4.0)
     assert float(sense.numpy()) == 4.0
 
 
@@ -164,11 +164,11 @@ def test_bad_fixed_scale_and_compile_option():
 
 def test_policy_picks_the_default_scale():
     keras.config.set_dtype_policy("mixed_float16")
-    assert isinstance(compile_sgd(mlp()).boost_step.loss_scale, DynamicLossScale)
+    assert isinstance(compile_sgd(mlp()).boost_step.stage("loss_scale"), DynamicLossScale)
     keras.config.set_dtype_policy("mixed_bfloat16")
-    assert compile_sgd(mlp()).boost_step.loss_scale is None  # bfloat16 has float32's range
+    assert compile_sgd(mlp()).boost_step.stage("loss_scale") is None  # bfloat16 has float32's range
     keras.config.set_dtype_policy("float32")
-    assert compile_sgd(mlp()).boost_step.loss_scale is None
+    assert compile_sgd(mlp()).boost_step.stage("loss_scale") is None
 
 
 def test_a_keras_loss_scale_optimizer_is_the_loss_scale():
@@ -180,7 +180,7 @@ def test_a_keras_loss_scale_optimizer_is_the_loss_scale():
     keras.config.set_dtype_policy("mixed_float16")
     model = mlp()
     model.compile(optimizer=lso(), loss="sparse_categorical_crossentropy")
-    assert model.boost_step.loss_scale is None
+    assert model.boost_step.stage("loss_scale") is None
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     keras.config.set_dtype_policy("float32")
     for loss_scale in ("dynamic", 128.0, DynamicLossScale()):
@@ -188,7 +188,7 @@ def test_a_keras_loss_scale_optimizer_is_the_loss_scale():
             mlp().compile(optimizer=lso(), loss="sparse_categorical_crossentropy", loss_scale=loss_scale)
     model = mlp()  # False: none of keras_boost's, the LossScaleOptimizer's only
     model.compile(optimizer=lso(), loss="sparse_categorical_crossentropy", loss_scale=False)
-    assert model.boost_step.loss_scale is None
+    assert model.boost_step.stage("loss_scale") is None
 
 
 def test_gradient_clipping_clips_the_gradients_a_loss_scale_optimizer_unscales():

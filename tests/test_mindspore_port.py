@@ -221,7 +221,7 @@ def test_freeze_opt_is_an_optimizer_and_given_once():
     with pytest.raises(ValueError, match="pass the freeze groups once"):
         model.compile(optimizer=freeze_opt, loss=LOSS, gradient_freeze=kb.GradientFreeze(2))
     model.compile(optimizer=freeze_opt, loss=LOSS)
-    assert model.optimizer is freeze_opt.optimizer and model.boost_step.freeze is not None
+    assert model.optimizer is freeze_opt.optimizer and model.boost_step.stage("gradient_freeze") is not None
 
 
 # ----------------------------------------------------------- 7. GradientAccumulation(…, optimizer)

@@ -68,8 +68,8 @@ def test_mixed_float16_gets_a_dynamic_loss_scale_by_default():
     inputs = keras.Input((4,))
     model = BoostModel(inputs, keras.layers.Dense(2, dtype="float32")(keras.layers.Dense(3)(inputs)))
     model.compile(optimizer="sgd", loss="mse")
-    assert isinstance(model.boost_step.loss_scale, DynamicLossScale)
-    assert model.boost_step.loss_scale.init_scale == 2.0**15
+    assert isinstance(model.boost_step.stage("loss_scale"), DynamicLossScale)
+    assert model.boost_step.stage("loss_scale").init_scale == 2.0**15
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -80,7 +80,7 @@ def test_mixed_precision_matches_float32_accuracy(policy):
     assert abs(result["accuracy"] - reference) <= 0.01, (policy, result["accuracy"], reference)
     assert all(v.dtype == "float32" for v in model.trainable_variables)  # float32 master weights
     if policy == "mixed_float16":
-        assert model.boost_step.loss_scale is not None
+        assert model.boost_step.stage("loss_scale") is not None
         assert set(history.history["overflow"]) <= {0, 1} and np.all(np.array(history.history["loss_scale"]) >= 1)
         # the scale moved both ways: overflows were seen and skipped, and clean runs grew it
         overflows, scales, iterations = recorder.overflows, recorder.scales, recorder.iterations
@@ -97,4 +97,4 @@ def test_mixed_precision_matches_float32_accuracy(policy):
         assert any(b == 2 * a for a, b in zip(scales, scales[1:]))  # it grew at least once
         assert iterations[-1] == len(iterations) - sum(overflows)
     else:
-        assert model.boost_step.loss_scale is None and "loss_scale" not in history.history
+        assert model.boost_step.stage("loss_scale") is None and "loss_scale" not in history.history

@@ -78,12 +78,12 @@ def test_untrained_variables_get_no_update():
 
 def test_boost_state_is_saved_with_the_model(tmp_path):
     model = compile_sgd(mlp(), loss_scale=keras_boost.DynamicLossScale(init_scale=256.0))
-    model.boost_step.loss_scale.scale.assign(128.0)
+    model.boost_step.stage("loss_scale").scale.assign(128.0)
     path = tmp_path / "m.weights.h5"
     model.save_weights(path)
     other = compile_sgd(mlp(), loss_scale=keras_boost.DynamicLossScale(init_scale=256.0))
     other.load_weights(path)
-    assert float(other.boost_step.loss_scale.scale.numpy()) == 128.0
+    assert float(other.boost_step.stage("loss_scale").scale.numpy()) == 128.0
 
 
 def test_demo_model_shape():

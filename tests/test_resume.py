@@ -12,7 +12,7 @@ from tests.helpers import classification_data, compile_sgd, mlp
 
 def test_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     reference, resumed = resume_scenarios.checkpoint_mid_window(str(tmp_path))
-    assert int(reference.boost_step.loss_scale.overflow_count.numpy()) == 1  # the overflow happened
+    assert int(reference.boost_step.stage("loss_scale").overflow_count.numpy()) == 1  # the overflow happened
     assert resume_scenarios.identical(reference, resumed)
 
 

@@ -34,16 +34,16 @@ def test_keras_file_round_trip_without_custom_objects(tmp_path):
     np.testing.assert_array_equal(model.predict(x[:8], verbose=0), loaded.predict(x[:8], verbose=0))
     # the boost configuration came back...
     step = loaded.boost_step
-    assert isinstance(step.loss_scale, DynamicLossScale) and step.loss_scale.scale_window == 4
-    assert step.accumulation.max_accumulation_step == 2
-    assert isinstance(step.freeze.source, GradientFreeze) and step.freeze.source.param_groups == 4
-    assert step.centralization is not None and loaded.auto_boost.level == "O1"
+    assert isinstance(step.stage("loss_scale"), DynamicLossScale) and step.stage("loss_scale").scale_window == 4
+    assert step.stage("gradient_accumulation").max_accumulation_step == 2
+    assert isinstance(step.stage("gradient_freeze").source, GradientFreeze) and step.stage("gradient_freeze").source.param_groups == 4
+    assert step.stage("gradient_centralization") is not None and loaded.auto_boost.level == "O1"
     # ...and so did every piece of boost and optimizer state
     for a, b in zip(model.boost_state.variables, loaded.boost_state.variables):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(np.array(a), np.array(b))
-    assert int(loaded.boost_step.freeze.position.numpy()) == 3  # 6 micro-batches, windows of 2
+    assert int(loaded.boost_step.stage("gradient_freeze").position.numpy()) == 3  # 6 micro-batches, windows of 2
 
 
 def test_tf_checkpoint_restores_boost_state(tmp_path):

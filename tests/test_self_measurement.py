@@ -80,13 +80,13 @@ def test_measure_must_be_a_bool():
 def test_compile_gives_switches_to_the_measured_level_stages_only():
     model = compiled(small_bn_model())
     step = model.boost_step
-    assert step.freeze.switch is not None and step.centralization.switch is not None
+    assert step.stage("gradient_freeze").switch is not None and step.stage("gradient_centralization").switch is not None
     fixed = compiled(small_bn_model(MINDSPORE_DEFAULTS))
-    assert fixed.boost_step.freeze.switch is None and fixed.boost_step.centralization.switch is None
+    assert fixed.boost_step.stage("gradient_freeze").switch is None and fixed.boost_step.stage("gradient_centralization").switch is None
     # explicit compile options are the user's, on any level
     explicit = compiled(small_bn_model(), gradient_freeze=GradientFreeze(param_groups=3),
                         gradient_centralization=True)
-    assert explicit.boost_step.freeze.switch is None and explicit.boost_step.centralization.switch is None
+    assert explicit.boost_step.stage("gradient_freeze").switch is None and explicit.boost_step.stage("gradient_centralization").switch is None
 
 
 # ---------------------------------------------------------------- the switch, inside a compiled step
@@ -104,19 +104,19 @@ def test_switched_off_centralization_passes_gradients_through_without_a_retrace(
 
 def test_switched_off_freezing_trains_the_full_step_and_holds_its_position():
     model = compiled(small_bn_model())
-    model.boost_step.freeze.min_saving = 2.0  # no schedule saves 200%
+    model.boost_step.stage("gradient_freeze").min_saving = 2.0  # no schedule saves 200%
     groups = Groups()
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[groups])
     decisions = {option: kept for option, kept, _ in model.self_measurement}
     assert decisions == {"gradient_freeze": False, "gradient_centralization": True}
-    schedule = model.boost_step.freeze.plan.schedule
+    schedule = model.boost_step.stage("gradient_freeze").plan.schedule
     # the sequence ran as scheduled up to the decision (step 42, the third timed step of group 1: its
     # steps 6 (traced) and 24 (an epoch's first) are not timed), then
     # only full steps, with the sequence standing where it was
     assert groups.groups[:43] == [int(g) for g in schedule[:43]]
     assert groups.groups[43:] == [0] * 5
-    assert int(model.boost_step.freeze.position.numpy()) == 43
+    assert int(model.boost_step.stage("gradient_freeze").position.numpy()) == 43
     # every group's function was traced once: switching off retraced nothing
     assert set(model.train_function.tracing_counts().values()) == {1}
     assert all(np.isfinite(np.array(w)).all() for w in model.trainable_weights)
@@ -125,7 +125,7 @@ def test_switched_off_freezing_trains_the_full_step_and_holds_its_position():
 def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
     model = compiled(small_bn_model())
     assert model.less_bn_report.num_removed == 1
-    model.boost_step.freeze.min_saving = -10.0  # any schedule pays
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0  # any schedule pays
     groups = Groups()
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[groups])
@@ -133,9 +133,9 @@ def test_a_paying_stage_stays_on_and_the_decision_is_printed(capsys):
     assert "O1's gradient_freeze stays on in one process: the freeze schedule's mean step takes" in out
     assert ("O1's gradient_centralization stays on in one process: centralizing costs" in out
             and "kept for accuracy, since LessBN removed 1 BatchNormalization layers" in out)
-    schedule = model.boost_step.freeze.plan.schedule
+    schedule = model.boost_step.stage("gradient_freeze").plan.schedule
     assert groups.groups == [int(g) for g in schedule[:48]]  # freezing went on as scheduled
-    assert model.boost_step.centralization.is_on()
+    assert model.boost_step.stage("gradient_centralization").is_on()
     # a second fit keeps the decision: no more timing, no more lines
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert "keras_boost:" not in capsys.readouterr().out
@@ -149,10 +149,10 @@ def test_without_a_removed_batchnorm_the_level_adds_no_fn_head_no_centralization
     assert [type(layer).__name__ for layer in model.layers] == [type(layer).__name__ for layer in reference.layers]
     x, y = data()
     groups = Groups()
-    model.boost_step.freeze.min_saving = -10.0  # it would pay: it is off for accuracy, not for speed
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0  # it would pay: it is off for accuracy, not for speed
     model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[groups])
     # both off before the first step is traced; nothing left to time
-    assert not model.boost_step.centralization.is_on() and not model.boost_step.freeze.is_on()
+    assert not model.boost_step.stage("gradient_centralization").is_on() and not model.boost_step.stage("gradient_freeze").is_on()
     assert groups.groups == [0] * 48 and model.train_function.traced_groups() == [0]
     assert model.self_measurement is None
     out = capsys.readouterr().out
@@ -162,10 +162,10 @@ def test_without_a_removed_batchnorm_the_level_adds_no_fn_head_no_centralization
     sectioned = compiled(small_bn_model({"grad_freeze": {"freeze_type": 0, "param_groups": 4}}, batchnorm=False))
     for kept in (explicit, sectioned):
         kept.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        assert kept.boost_step.freeze.is_on()
+        assert kept.boost_step.stage("gradient_freeze").is_on()
     # MindSpore's O1 (the less_bn section given) keeps its FN head and GC on any model
     mindspore = compiled(small_bn_model(MINDSPORE_DEFAULTS, batchnorm=False))
-    assert mindspore.less_bn_report.fn_heads and mindspore.boost_step.centralization.is_on()
+    assert mindspore.less_bn_report.fn_heads and mindspore.boost_step.stage("gradient_centralization").is_on()
 
 
 def test_too_short_a_fit_says_so_once_and_the_next_fit_goes_on_timing(capsys):
@@ -176,7 +176,7 @@ def test_too_short_a_fit_says_so_once_and_the_next_fit_goes_on_timing(capsys):
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert capsys.readouterr().out == ""
     assert model.self_measurement is None and model._measuring.times  # still timing
-    model.boost_step.freeze.min_saving = 2.0
+    model.boost_step.stage("gradient_freeze").min_saving = 2.0
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert [kept for option, kept, _ in model.self_measurement if option == "gradient_freeze"] == [False]
 
@@ -186,7 +186,7 @@ def test_steps_per_execution_leaves_the_stages_on_with_a_line(capsys):
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert "stay on unmeasured: steps_per_execution=4" in capsys.readouterr().out
-    assert model.boost_step.freeze.is_on() and model.boost_step.centralization.is_on()
+    assert model.boost_step.stage("gradient_freeze").is_on() and model.boost_step.stage("gradient_centralization").is_on()
 
 
 def test_two_workers_switch_off_together():
@@ -225,7 +225,7 @@ def test_the_gate_switches_freezing_off_before_a_group_compiles_in_a_short_fit(g
     decisions = {option: kept for option, kept, _ in model.self_measurement}
     assert decisions == {"gradient_freeze": False, "gradient_centralization": True}
     assert groups.groups == [0] * 48  # full steps only
-    assert int(model.boost_step.freeze.position.numpy()) == 0  # the sequence never moved
+    assert int(model.boost_step.stage("gradient_freeze").position.numpy()) == 0  # the sequence never moved
     assert model.train_function.traced_groups() == [0]  # no partial group was ever compiled
     assert set(model.train_function.tracing_counts()) == {("step", 0), ("steps", 0)}
 
@@ -240,17 +240,17 @@ def test_a_recompiled_model_measures_its_new_step(gate, capsys):
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
     model.layers[1].trainable = False
     compiled(model)  # a new step, with its freezing on again
-    assert model.self_measurement is None and model.boost_step.freeze.is_on()
+    assert model.self_measurement is None and model.boost_step.stage("gradient_freeze").is_on()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
     assert [(option, kept) for option, kept, _ in model.self_measurement] == [
         ("gradient_freeze", False), ("gradient_centralization", True)]
-    assert not model.boost_step.freeze.is_on()
+    assert not model.boost_step.stage("gradient_freeze").is_on()
 
 
 def test_a_fit_long_enough_passes_the_gate_and_freezes_from_there(gate, capsys):
     model = compiled(small_bn_model())
-    model.boost_step.freeze.min_saving = -10.0  # once timed, the schedule is kept
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0  # once timed, the schedule is kept
 
     class StopAt(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -262,11 +262,11 @@ def test_a_fit_long_enough_passes_the_gate_and_freezes_from_there(gate, capsys):
     # 1000 epochs of 12 steps: time enough to repay any compilation (stopped after 24 steps)
     model.fit(x, y, batch_size=16, epochs=1000, shuffle=False, verbose=0, callbacks=[groups, StopAt()])
     assert "before compiling its groups" not in capsys.readouterr().out
-    schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+    schedule = [int(g) for g in model.boost_step.stage("gradient_freeze").plan.schedule]
     # three full steps held back by the gate, then the sequence from its start
     assert groups.groups == [0, 0, 0] + schedule[:21]
-    assert model.boost_step.freeze.is_on()
-    assert int(model.boost_step.freeze.position.numpy()) == 21
+    assert model.boost_step.stage("gradient_freeze").is_on()
+    assert int(model.boost_step.stage("gradient_freeze").position.numpy()) == 21
 
 
 def test_with_tracing_ahead_the_gate_holds_the_groups_back_then_traces_them_ahead(gate, monkeypatch):
@@ -278,7 +278,7 @@ def test_with_tracing_ahead_the_gate_holds_the_groups_back_then_traces_them_ahea
     assert short.groups == [0] * 48 and model.train_function.traced_ahead == []  # nothing traced ahead
 
     model = compiled(small_bn_model())
-    model.boost_step.freeze.min_saving = -10.0
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0
     long = Groups()
 
     class StopAt(keras.callbacks.Callback):
@@ -297,7 +297,7 @@ def test_with_accumulation_the_gate_changes_freezing_only_between_windows(gate, 
     """Windows of 2 micro-batches: the gate's 3 steps end inside a window, so it decides after the 4th;
     every window trains one group whatever the gate decides."""
     model = compiled(small_bn_model(), gradient_accumulation=2)
-    model.boost_step.freeze.min_saving = -10.0
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0
 
     class StopAt(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -308,9 +308,9 @@ def test_with_accumulation_the_gate_changes_freezing_only_between_windows(gate, 
     model.fit(x, y, batch_size=16, epochs=fit_epochs, shuffle=False, verbose=0, callbacks=[groups, StopAt()])
     assert all(groups.groups[i] == groups.groups[i + 1] for i in range(0, len(groups.groups), 2)), groups.groups
     assert groups.groups[:4] == [0, 0, 0, 0]  # held back to the end of the second window
-    assert model.boost_step.freeze.is_on() == kept
+    assert model.boost_step.stage("gradient_freeze").is_on() == kept
     if kept:
-        schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+        schedule = [int(g) for g in model.boost_step.stage("gradient_freeze").plan.schedule]
         assert groups.groups[4::2] == schedule[:18]  # one group per window, from the sequence's start
     else:
         assert set(groups.groups) == {0}
@@ -320,7 +320,7 @@ def test_with_accumulation_the_gate_changes_freezing_only_between_windows(gate, 
 @pytest.mark.parametrize("epochs, kept", [(2, False), (1000, True)])
 def test_in_a_fit_of_unknown_length_the_gate_holds_the_first_epoch(gate, capsys, epochs, kept):
     model = compiled(small_bn_model())
-    model.boost_step.freeze.min_saving = -10.0  # once timed, the schedule is kept
+    model.boost_step.stage("gradient_freeze").min_saving = -10.0  # once timed, the schedule is kept
     x, y = data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)  # unknown length
     assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
@@ -335,12 +335,12 @@ def test_in_a_fit_of_unknown_length_the_gate_holds_the_first_epoch(gate, capsys,
     assert groups.groups[:STEPS] == [0] * STEPS  # the whole first epoch held back: its length was unknown
     if kept:  # 999 epochs of 12 steps left: on from the sequence's start
         assert "before compiling its groups" not in out
-        schedule = [int(g) for g in model.boost_step.freeze.plan.schedule]
+        schedule = [int(g) for g in model.boost_step.stage("gradient_freeze").plan.schedule]
         assert groups.groups[STEPS:] == schedule[:len(groups.groups) - STEPS]
     else:  # the 12 steps left cannot repay three compilations; the line counts them
         assert "the 12 steps left of this fit could save at most" in out
         assert set(groups.groups) == {0} and model.train_function.traced_groups() == [0]
-    assert model.boost_step.freeze.is_on() == kept
+    assert model.boost_step.stage("gradient_freeze").is_on() == kept
 
 
 def test_a_fit_that_ends_inside_the_gate_leaves_the_next_fit_to_gate(gate, capsys):
@@ -348,14 +348,14 @@ def test_a_fit_that_ends_inside_the_gate_leaves_the_next_fit_to_gate(gate, capsy
     x, y = data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).filter(lambda a, b: True)
     model.fit(dataset, epochs=1, verbose=0)  # one epoch of unknown length: it ends inside the gate
-    assert model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
+    assert model.boost_step.stage("gradient_freeze").is_on() and model.train_function.traced_groups() == [0]
     # known length: gated again, and switched off. The compilation it weighs is the first fit's first step:
     # 480 steps, so that this fit's own first step (no compilation, but the epoch's start: 10-50 ms on a
     # loaded machine) would not switch it off too, and a gate that took it would let freezing go on
     x, y = data(steps=120)
     model.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert "switched off in one process before compiling its groups" in capsys.readouterr().out
-    assert not model.boost_step.freeze.is_on() and model.train_function.traced_groups() == [0]
+    assert not model.boost_step.stage("gradient_freeze").is_on() and model.train_function.traced_groups() == [0]
 
 
 def test_two_workers_pass_the_gate_together():

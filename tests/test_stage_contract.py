@@ -128,13 +128,13 @@ def test_freeze_opt_and_gc_variables_round_trip_by_path():
     model.boost_step.build(model.boost_state)
     config = registry.step_config(model.boost_step)
     assert config["stages"]["gradient_centralization"]["config"]["variables"] == [
-        v.path for v in model.boost_step.centralization.variables]
+        v.path for v in model.boost_step.stage("gradient_centralization").variables]
     twin = mlp()
     twin.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **registry.options_from_config(config))
     twin.boost_step.build(twin.boost_state)
-    assert [v.path for v in twin.boost_step.centralization.variables] == [
-        v.path for v in model.boost_step.centralization.variables]
-    assert twin.boost_step.freeze.group_indices == model.boost_step.freeze.group_indices
+    assert [v.path for v in twin.boost_step.stage("gradient_centralization").variables] == [
+        v.path for v in model.boost_step.stage("gradient_centralization").variables]
+    assert twin.boost_step.stage("gradient_freeze").group_indices == model.boost_step.stage("gradient_freeze").group_indices
 
 
 def test_adasum_and_auto_boost_construction_do_not_initialise_horovod():

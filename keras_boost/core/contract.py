@@ -86,8 +86,6 @@ class Stage:
         default_for: the single hook this stage fills when no other stage of the step owns
             it (the registry then makes it from its option): the averaging `reduce` and the
             optimizer's `apply_update` are such defaults.
-        step_attribute: the name under which the step gives this stage (`step.loss_scale`,
-            `step.freeze`, ...; None when the stage is off), or None for no such name.
         measurable: whether a boost level's instance of this stage can measure what it
             saves or costs in `fit` and be switched off between steps, without retracing
             (`keras_boost.step.tuning`): it then overrides `measure` and reads `active()`
@@ -99,7 +97,6 @@ class Stage:
     option = None
     needs_finite = False
     default_for = None
-    step_attribute = None
     measurable = False
     level_section = None
     log_keys = ()  # the keys of what `logs` returns (known before the stage is built)

@@ -56,7 +56,6 @@ class GradientAccumulation(Stage):
 
     option = "gradient_accumulation"
     option_values = "None, False, a positive int (micro-batches per update)"
-    step_attribute = "accumulation"
 
     def __init__(self, max_accumulation_step, optimizer=None):
         max_accumulation_step = check_int("max_accumulation_step", max_accumulation_step, 1)

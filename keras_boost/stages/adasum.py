@@ -67,7 +67,6 @@ class AdaSum(Stage):
     """
 
     option = "adasum"
-    step_attribute = "adasum"
     needs_finite = False
 
     def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto",

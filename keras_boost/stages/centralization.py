@@ -51,7 +51,6 @@ class GradientCentralization(Stage):
 
     option = "gradient_centralization"
     option_values = "None, a bool, 'mindspore', 'all'"
-    step_attribute = "centralization"
     measurable = True
     level_section = "less_bn"  # a level's GC is LessBN's gc_flag
     # A boost level's GC is LessBN's companion for accuracy, not for speed (without it O1

@@ -25,7 +25,6 @@ class GradientClipping(Stage):
     """
 
     option = "gradient_clipping"
-    step_attribute = "clipping"
     _optimizer = None  # the step's optimizer, once built (`transform` allows for its loss scale)
 
     def __init__(self, clip_norm):

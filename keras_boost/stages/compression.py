@@ -128,7 +128,6 @@ class GradientCompression(Stage):
     """
 
     option = "compression"
-    step_attribute = "compression"
 
     def __init__(self, dtype="float16"):
         self.dtype = check_dtype("dtype", dtype)

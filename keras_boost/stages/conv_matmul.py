@@ -47,7 +47,6 @@ class ConvMatmul(Stage):
     """
 
     option = "conv_matmul"
-    step_attribute = "conv_matmul"
     on_with_true = True
 
     def report(self, step):

@@ -53,7 +53,6 @@ class FusedBatchNorm(Stage):
     """
 
     option = "fused_batchnorm"
-    step_attribute = "fused_batchnorm"
     on_with_true = True
 
     def report(self, step):

@@ -40,7 +40,6 @@ class FusedUpdate(Stage):
     """
 
     option = "fused_update"
-    step_attribute = "fused_update"
     on_with_true = True
 
     def report(self, step):

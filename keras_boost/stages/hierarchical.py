@@ -57,7 +57,6 @@ class HierarchicalAllreduce(Stage):
     """
 
     option = "hierarchical_allreduce"
-    step_attribute = "hierarchical_allreduce"
 
     def __init__(self, local_size=None):
         self.local_size = check_optional_int("local_size", local_size, 1)

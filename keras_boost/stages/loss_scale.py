@@ -32,7 +32,6 @@ class LossScale(Stage):
 
     option = "loss_scale"
     option_values = "None, 'auto', False, 'dynamic', a positive number, a scalar tensor"
-    step_attribute = "loss_scale"
     needs_finite = True
     drop_overflow_update = True
 

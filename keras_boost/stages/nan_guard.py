@@ -21,7 +21,6 @@ class NanGuard(Stage):
     """Skips (and counts) updates whose averaged gradient is not finite (optax's `apply_if_finite`)."""
 
     option = "nan_guard"
-    step_attribute = "nan_guard"
     needs_finite = True
 
     def __init__(self):

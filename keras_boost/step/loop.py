@@ -53,8 +53,7 @@ class BoostStep(BranchPlanning):
             of stages registered with `registry.register` included), turned into stages by
             the registry; a ready stage object is accepted too.
 
-    The step exposes each stage under its `step_attribute` (None when off) and by its
-    option (`step.stage(option)`). MindSpore's callable cell over this loop is
+    The step gives each stage by its option: `step.stage("gradient_freeze")` (None when off). MindSpore's callable cell over this loop is
     `keras_boost.BoostTrainOneStep` (`keras_boost/mindspore/cells.py`).
     """
 
@@ -89,13 +88,6 @@ class BoostStep(BranchPlanning):
     def stage(self, option):
         """The stage made from `compile(<option>=...)`, or None."""
         return next((s for s in self.stages if s.option == option), None)
-
-    def __getattr__(self, name):
-        # a stage under its `step_attribute` (`Stage.step_attribute`), None when off.
-        option = registry.step_attributes().get(name) if not name.startswith("_") else None
-        if option is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return next((s for s in self.__dict__.get("stages", ()) if s.option == option), None)
 
     def _with(self, hook):
         return [s for s in self.stages if s.overrides(hook)]

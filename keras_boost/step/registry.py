@@ -81,12 +81,6 @@ def is_default(stage):
     return type(stage) in _DEFAULTS
 
 
-def step_attributes():
-    """{name: option}: the names under which a step gives its stages (`step.loss_scale`, ...)."""
-    _ensure_builtin()
-    return {e.cls.step_attribute: e.cls.option for e in _ENTRIES if e.cls.step_attribute}
-
-
 def unwrap_optimizer(optimizer, options):
     """The optimizer that applies the updates, with `options` completed from an optimizer adapter.
 

@@ -56,7 +56,7 @@ def main():
         print("steps", times)
         return
     model.fit(x, y, batch_size=args.batch_size, epochs=1, steps_per_epoch=2, verbose=0)
-    function, freeze = model.train_function, model.boost_step.freeze
+    function, freeze = model.train_function, model.boost_step.stage("gradient_freeze")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
     real = iter(ds)
     empty = iter(ds.take(0))

@@ -35,7 +35,7 @@ def main():
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     digest = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in model.weights)).hexdigest()[:16]
-    fused = model.boost_step.fused_batchnorm
+    fused = model.boost_step.stage("fused_batchnorm")
     print(f"RANK {rank} host {socket.gethostname()} fused {len(fused.layers)} not {fused.not_fused} "
           f"loss {[round(v, 4) for v in history.history['loss']]} weights {digest}", flush=True)
 

@@ -75,7 +75,7 @@ def phase_carry(rank, size):
     model = compile_sgd(mlp(BoostModel, seed=0), gradient_accumulation=N)
     at_epoch_end = []
     probe = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: at_epoch_end.append(
-        [int(model.optimizer.iterations.numpy()), int(model.boost_step.accumulation.micro_step.numpy())]))
+        [int(model.optimizer.iterations.numpy()), int(model.boost_step.stage("gradient_accumulation").micro_step.numpy())]))
     _, collectives = fit_counted(model, *shards[rank], batch_size=PER_WORKER, epochs=2, shuffle=False,
                                  verbose=0, callbacks=[probe])
     return dict(diff=max_diff(weights(reference), weights(model)), digest=digest(model),
@@ -104,7 +104,7 @@ def phase_overflow(rank, size):
     ref_y = np.concatenate([np.concatenate([windows(d[1])[k] for d in data]) for k in (1, 2)])
     reference = compile_sgd(mlp(keras.Model, seed=0))
     reference.fit(ref_x, ref_y, batch_size=PER_WORKER * N * size, epochs=1, shuffle=False, verbose=0)
-    stage = model.boost_step.accumulation
+    stage = model.boost_step.stage("gradient_accumulation")
     return dict(diff=max_diff(weights(reference), weights(model)), digest=digest(model), scales=scales,
                 overflows=overflows, iterations=iterations, collectives=collectives,
                 micro_step=int(stage.micro_step.numpy()),

@@ -176,7 +176,7 @@ def main():
     report(distributed.rank(), size=distributed.size(), digest=digest, weights_digest=weights_digest, epochs=state.epoch, history=history,
            log=state.log, resets=state.resets, joined_late=joined_late, reference_diff=diff,
            iterations=int(model.optimizer.iterations.numpy()), seconds=seconds,
-           adasum_groups=model.boost_step.adasum.groups if ADASUM else None, hostname=socket.gethostname())
+           adasum_groups=model.boost_step.stage("adasum").groups if ADASUM else None, hostname=socket.gethostname())
 
 
 if __name__ == "__main__":

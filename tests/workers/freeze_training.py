@@ -60,7 +60,7 @@ class GroupRecorder(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         group = int(logs["freeze_group"])
         self.groups.append(group)
-        in_group = set(self.model.boost_step.freeze.group_indices[group])
+        in_group = set(self.model.boost_step.stage("gradient_freeze").group_indices[group])
         after = self._snapshot()
         frozen = [i for i in range(len(after)) if i not in in_group]
         self.frozen_counts.append(len(frozen))

@@ -53,14 +53,14 @@ def run(verdict="off"):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # no schedule saves 200%: off; any schedule saves more than -1000%: on
     if verdict != "gate":
-        model.boost_step.freeze.min_saving = 2.0 if verdict == "off" else -10.0
+        model.boost_step.stage("gradient_freeze").min_saving = 2.0 if verdict == "off" else -10.0
     groups = Groups()
     model.fit(xs, ys, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[groups])
     trainable = [np.array(w) for w in model.trainable_weights]
     return dict(decisions=[[option, kept] for option, kept, _ in model.self_measurement],
                 groups=groups.groups, decided_at=groups.decided_at,
-                position=int(model.boost_step.freeze.position.numpy()),
-                centralization_on=model.boost_step.centralization.is_on(),
+                position=int(model.boost_step.stage("gradient_freeze").position.numpy()),
+                centralization_on=model.boost_step.stage("gradient_centralization").is_on(),
                 tracing=sorted(f"{k}{g}:{n}" for (k, g), n in model.train_function.tracing_counts().items()),
                 digest=hashlib.sha256(b"".join(w.tobytes() for w in trainable)).hexdigest(),
                 finite=bool(all(np.isfinite(w).all() for w in trainable)))

@@ -30,7 +30,6 @@ class FreezeStage(Stage):
     """
 
     option = "gradient_freeze"
-    step_attribute = "freeze"
     measurable = True
     level_section = "grad_freeze"
     # A boost level's freezing is kept when the schedule's mean step is at least this much
