@@ -119,3 +119,16 @@ def check_sens(sens):
         raise ValueError(f"`sens` must be a finite non-zero number (the scale of the loss gradient), got {sens!r} "
                          f"({type(sens).__name__}).")
     return float(sens)
+
+
+def positive_int_arg(text):
+    """argparse type: a positive integer (`keras-boost` flags)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

@@ -16,7 +16,6 @@ from keras_boost.config import BoostConfig
 from keras_boost.step import registry
 from keras_boost.step.loop import BoostStep
 from keras_boost.core.state import BoostState
-from keras_boost.graph.less_bn import keep_output_names
 
 
 @keras.saving.register_keras_serializable(package="keras_boost")
@@ -33,35 +32,17 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     Boost options of `compile` (all off by default; at a boost level, False switches off
     the level's stage of that option):
         sens: scale of the loss gradient (MindSpore's `sens`), default 1.0.
-        loss_scale: None or "auto" (dynamic scaling under the `mixed_float16` policy,
-            none otherwise), False (none), "dynamic", a number or scalar tensor (fixed), or a
-            `DynamicLossScale` / `FixedLossScale`.
-        gradient_accumulation: micro-batches per update (int), a `GradientAccumulation`, or False.
-        gradient_freeze: True (a `GradientFreeze` with MindSpore's defaults), a `GradientFreeze`
-            (turned into groups of this model), a `FreezeOpt`, or False.
-        gradient_centralization: True or "mindspore" (MindSpore's rule: conv/dense kernels
-            whose input channels are a multiple of 16), "all" (the keras-io recipe: every
-            gradient of rank 2 or more), or a `GradientCentralization`.
-        adasum: True, or an `AdaSum` stage (False: off).
-        nan_guard: True: without loss scaling, stop `fit` with `FloatingPointError` at the
-            first update whose averaged gradient is not finite, before it reaches the
-            weights (every update then waits for a check of all gradients; its cost is
-            in docs/benchmarks.md). Default False: the update is applied, as keras.Model does.
-        gradient_split_groups: None (one grouped allreduce per update), "each" (one allreduce per gradient, sent as soon as it exists) or increasing indices
-            into `trainable_variables` at which to start a new fused allreduce (MindSpore's
-            `gradient_split_groups` / `ParameterProcess` fusion groups).
         stages: more `keras_boost.step.Stage` objects to run in the step.
         **kwargs: Keras' own compile arguments, and every registered stage's option
-            (`keras_boost.step.registry.options()`): those above, keras_boost's `fused_update`,
-            `fused_batchnorm`, `conv_matmul` (bools; on at O1/O2), `gradient_clipping`,
-            `compression`, `hierarchical_allreduce` (see their pages in docs/), and those
-            registered with `keras_boost.step.registry.register`.
+            (`keras_boost.step.registry.options()`, those registered with
+            `keras_boost.step.registry.register` included); keras_boost's own:
+{options}
 
     Boost levels (`BoostModel(inputs, outputs, boost_level="O1", boost_config=...)`;
     MindSpore's `boost_config_dict=` is accepted as an alias of `boost_config`):
-        the level's LessBN rewrite is applied to the graph when the model is built, and
-        its other stages are switched on by `compile` (explicit compile options win).
-        See `keras_boost.AutoBoost`.
+        the level's model rewrites (`registry.rewrites()`) are applied to the graph when the
+        model is built, and its stages are switched on by `compile` (explicit compile
+        options win). See `keras_boost.AutoBoost`.
 
     Example:
         >>> inputs = keras.Input((28, 28, 1))
@@ -89,17 +70,14 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             Trainer.__init__(self)
             args, kwargs, rewritten = _rewritten_graph(auto_boost, args, kwargs)
             Functional.__init__(self, *args, **kwargs)
-            self.less_bn_report = None
-            if rewritten is not None:
-                keep_output_names(rewritten, self)  # the user's graph's names, whatever layer now ends an output
-                self.less_bn_report = rewritten.less_bn_report
-        elif auto_boost is not None and auto_boost.enabled("less_bn"):
-            raise TypeError(f"boost_level={auto_boost.level!r} includes LessBN, which rewrites a graph of layer calls, "
-                            f"and {type(self).__name__} is a subclassed model: build the BoostModel functionally "
-                            "(BoostModel(inputs, outputs, boost_level=...)), or keep the level's other features "
-                            "with LessBN switched off: boost_config={'boost': {'mode': 'manual', 'less_bn': False}}")
         else:
+            for rewrite in registry.rewrites():
+                if rewrite.applies(auto_boost):
+                    raise rewrite.subclassed_error(self, auto_boost)
             super().__init__(*args, **kwargs)
+            rewritten = {}
+        for rewrite in registry.rewrites():  # what each rewrite did, under its attribute (None: not run)
+            rewrite.adopt(self, rewritten.get(rewrite))
         # Boost state is training state, like optimizer slots: kept out of Keras' layer
         # tracking (so weights, get_weights and count_params equal keras.Model's), yet saved
         # by Keras' saving (which walks the attributes) and by tf.train.Checkpoint (the edge).
@@ -124,7 +102,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 if name != covered and given.get(name) is None:
                     given[name] = value
                     from_level.add(name)
-        _check_fn_head_losses(self, loss)
+        for rewrite in registry.rewrites():
+            rewrite.check_compile(self, loss)
         kwargs["auto_scale_loss"] = False  # the boost step owns loss scaling
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         make_distributed_optimizer(self.optimizer)  # a user train_step's apply averages across workers
@@ -161,7 +140,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             config["auto_boost"] = self.auto_boost.get_config()
         names = getattr(self, "output_names", None)
         if isinstance(self, Functional) and names and names != [_output_layer(t).name for t in self.outputs]:
-            config["output_names"] = list(names)  # LessBN's FN head ends an output in a new layer
+            config["output_names"] = list(names)  # a rewrite ended an output in a layer of its own
         return config
 
     @classmethod
@@ -428,78 +407,31 @@ def _abandoned(error):
 
 
 def _rewritten_graph(auto_boost, args, kwargs):
-    """The functional (inputs, outputs) after the level's LessBN rewrite, and the rewritten model (None without)."""
-    if auto_boost is None or not auto_boost.enabled("less_bn"):
-        return args, kwargs, None
-    from keras_boost.graph.less_bn import LessBN
-
+    """The functional (inputs, outputs) after the level's model rewrites, and {rewrite: the model it made}."""
+    rewrites = [rewrite for rewrite in registry.rewrites() if rewrite.applies(auto_boost)]
+    if not rewrites:
+        return args, kwargs, {}
     kwargs = dict(kwargs)
     inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
     outputs = kwargs.pop("outputs") if "outputs" in kwargs else args[1]
-    with warnings.catch_warnings(record=True) as caught:  # LessBN's warnings, shown at the user's BoostModel(...)
-        warnings.simplefilter("always")
-        # named as the user will know it (its warnings name the model), not Keras' 'functional_4'
-        rewritten = LessBN(keras.Model(inputs, outputs, name=kwargs.get("name") or "BoostModel"), fn_flag=auto_boost.params["less_bn"]["fn_flag"],
-                           fn_needs_removal=auto_boost.measured("less_bn"), share_layers=True,
-                           fn_outputs="classifiers" if auto_boost.measured("less_bn") else "all")
-    for caught_warning in caught:
-        _warnings.warn(caught_warning.message, caught_warning.category)
-    inputs, outputs = _keras_compat.functional_structure(rewritten)  # the user's dict or list, not flattened
-    return (inputs, outputs, *args[2:]), kwargs, rewritten
-
-
-_REGRESSION_LOSSES = {"mean_squared_error", "mse", "mean_absolute_error", "mae", "mean_absolute_percentage_error",
-                      "mape", "mean_squared_logarithmic_error", "msle", "huber", "huber_loss", "log_cosh", "logcosh"}
-
-
-def _loss_name(loss):
-    if isinstance(loss, str):
-        return loss
-    fn = getattr(loss, "fn", loss)  # a Keras Loss wraps its function
-    return getattr(fn, "__name__", None)
-
-
-def _linear_fn_head_outputs(model):
-    """{output index: FN head name} for the outputs an FN head produces directly (no activation
-    after it: the output is the head's bounded cosine logits)."""
-    from keras_boost.graph.layers import FNHead
-
-    return {index: _output_layer(tensor).name for index, tensor in enumerate(model.outputs)
-            if isinstance(_output_layer(tensor), FNHead)}
+    # named as the user will know it (a rewrite's warnings name the model), not Keras' 'functional_4'
+    model = keras.Model(inputs, outputs, name=kwargs.get("name") or "BoostModel")
+    made = {}
+    for rewrite in rewrites:
+        with warnings.catch_warnings(record=True) as caught:  # shown at the user's BoostModel(...)
+            warnings.simplefilter("always")
+            model = made[rewrite] = rewrite.rewrite(model, auto_boost)
+        for caught_warning in caught:
+            _warnings.warn(caught_warning.message, caught_warning.category)
+    inputs, outputs = _keras_compat.functional_structure(model)  # the user's dict or list, not flattened
+    return (inputs, outputs, *args[2:]), kwargs, made
 
 
 def _output_layer(tensor):
     return _keras_compat.inbound_node(tensor).operation
 
 
-def _check_fn_head_losses(model, loss):
-    """A level's FN head is a cosine-similarity classifier, its outputs within ±multiplier: a
-    regression loss on one without an activation after it gets a warning at compile (a
-    regression with two or more units looks like a classifier when the graph is rewritten)."""
-    report = getattr(model, "less_bn_report", None)
-    if report is None or not report.fn_heads or loss is None:
-        return
-    heads = _linear_fn_head_outputs(model)
-    paths = [path for path, _ in keras.tree.flatten_with_path(_keras_compat.functional_structure(model)[1])]
-    for index, head in heads.items():
-        keys = {model.output_names[index]} | ({paths[index][0]} if paths[index] else set())
-        if isinstance(loss, dict):
-            given = next((loss[key] for key in keys if key in loss), None)
-        elif isinstance(loss, (list, tuple)):
-            given = loss[index] if index < len(loss) else None
-        else:
-            given = loss
-        if _loss_name(given) in _REGRESSION_LOSSES:
-            _warnings.warn(
-                f"loss={_loss_name(given)!r} on output {model.output_names[index]!r}: boost level "
-                f"{getattr(model.auto_boost, 'level', 'O1/O2')!r} replaced its Dense layer '{head}' by an FN head (LessBN's fn_flag, a "
-                "cosine-similarity classifier whose outputs stay within ±its multiplier), which fits a regression "
-                "worse than the Dense. If this output is a regression, build the BoostModel without LessBN (BatchNorms "
-                "kept, no FN head): BoostModel(inputs, outputs, boost_level=..., "
-                "boost_config={'boost': {'mode': 'manual', 'less_bn': False}}).",
-                UserWarning)
-
-
+BoostModel.__doc__ = BoostModel.__doc__.replace("{options}", registry.describe_options(" " * 12))
 _FUNCTIONAL_VARIANTS = {}
 
 

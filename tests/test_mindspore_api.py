@@ -158,7 +158,7 @@ def test_gradient_freeze_example_end_to_end():
     before = weights(network)
     losses = [train_net(x, y) for _ in range(6)]
     assert_trains(before, network, losses)
-    assert int(train_net.freeze.position.numpy()) == 6
+    assert int(train_net.stage("gradient_freeze").position.numpy()) == 6
     sequence = gradient_freeze_class.generate_freeze_index_sequence()
     assert sorted(set(sequence[:6].tolist())) != [0]  # some of the six steps were partial
 

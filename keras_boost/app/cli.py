@@ -8,6 +8,7 @@ import sys
 
 from keras_boost.app import launch, preflight
 from keras_boost.app.launch import LAUNCH_OPTIONS, horovodrun_command, without_options
+from keras_boost._validation import positive_int_arg
 
 # Options that choose where the workers run: the launcher uses them, the workers get none
 # (a --hostfile need not exist on the other hosts).
@@ -60,16 +61,6 @@ def _info(args):
               f"{comm['cycle_time_ms']:g} ms ({comm['source']['cycle_time']}), autotune "
               f"{'on' if comm['autotune'] else 'off'}; see docs/communication.md")
     return 0
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _non_negative_float(text):
@@ -218,37 +209,34 @@ def _bench(args, argv):
 
 def _add_training_options(parser, epochs):
     from keras_boost.app.training import DATASETS, MODELS
+    from keras_boost.step import registry
 
     parser.add_argument("--model", default="demo", choices=MODELS, help="demo (residual CNN) or a keras.applications "
                         "family (trained from scratch on 32x32x3 copies of the images)")
     parser.add_argument("--dataset", default="fashion_mnist", choices=DATASETS,
                         help="fashion_mnist (Debian package dataset-fashion-mnist) or synthetic")
-    parser.add_argument("--epochs", type=_positive_int, default=epochs)
-    parser.add_argument("--batch-size", type=_positive_int, default=64, help="per-worker batch size")
+    parser.add_argument("--epochs", type=positive_int_arg, default=epochs)
+    parser.add_argument("--batch-size", type=positive_int_arg, default=64, help="per-worker batch size")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="learning rate of SGD, momentum 0.9")
-    parser.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="limit batches per epoch")
-    parser.add_argument("--train-samples", type=_positive_int, default=None, help="use the first N training samples")
+    parser.add_argument("--steps-per-epoch", type=positive_int_arg, default=None, help="limit batches per epoch")
+    parser.add_argument("--train-samples", type=positive_int_arg, default=None, help="use the first N training samples")
     parser.add_argument("--config", default=None, help="boost configuration JSON file (AutoBoost sections and keys)")
-    parser.add_argument("--accumulation", type=_positive_int, default=1, help="micro-batches per update")
-    parser.add_argument("--loss-scale", choices=["none", "dynamic"], default="none")
     parser.add_argument("--precision", choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"], default="auto",
                         help="auto (default): float32 at O0; at O1/O2 on GPUs mixed_bfloat16 (compute "
                         "capability >= 8.0) or mixed_float16 with dynamic loss scaling (7.x), on CPUs "
                         "mixed_bfloat16 with AVX512-BF16/AMX and oneDNN on, float32 otherwise; see docs/getting-started.md")
-    parser.add_argument("--np", type=_positive_int, default=None, help="workers (default 1, or the sum of the "
+    parser.add_argument("--np", type=positive_int_arg, default=None, help="workers (default 1, or the sum of the "
                         "slots of --hosts/--hostfile); > 1 launches horovodrun itself")
     parser.add_argument("--controller", choices=["gloo", "mpi"], default="gloo", help="Horovod controller for --np "
                         "(mpi: horovodrun --mpi, i.e. Open MPI's mpirun)")
     _add_host_options(parser)
-    parser.add_argument("--start-timeout", type=_positive_int, default=None, metavar="SECONDS",
+    parser.add_argument("--start-timeout", type=positive_int_arg, default=None, metavar="SECONDS",
                         help=f"horovodrun's --start-timeout: time for its ssh and network checks (default "
                         f"{launch.HOSTS_START_TIMEOUT} with hosts, unless HOROVOD_START_TIMEOUT is set)")
     parser.add_argument("--seed", type=int, default=0)
     comm = parser.add_argument_group("communication (docs/communication.md)")
-    comm.add_argument("--compression", choices=["none", "float16", "bfloat16"], default="none",
-                      help="gradients on the wire in this precision (decompressed before the update)")
-    comm.add_argument("--hierarchical-allreduce", action="store_true", help="reduce inside each host, then across "
-                      "hosts (for many workers per host)")
+    for cls in registry.stage_classes():  # each feature's own flags
+        cls.add_cli_arguments({"training": parser, "communication": comm})
     comm.add_argument("--fusion-threshold-mb", type=_non_negative_float, default=None,
                       help="Horovod's tensor fusion buffer (HOROVOD_FUSION_THRESHOLD; default 128 MiB)")
     comm.add_argument("--cycle-time-ms", type=_non_negative_float, default=None,
@@ -287,7 +275,7 @@ def build_parser():
     bench.add_argument("--levels", nargs="+", choices=["O0", "O1", "O2"], default=["O0", "O1", "O2"])
     bench.add_argument("--table", default="bench.md", help="Markdown table output (default bench.md)")
     bench.add_argument("--plot", default="bench.png", help="PNG plot of test accuracy against wall time")
-    bench.add_argument("--rounds", type=_positive_int, default=1, help="repeat every level this many times, "
+    bench.add_argument("--rounds", type=positive_int_arg, default=1, help="repeat every level this many times, "
                        "the levels taking turns (each run is its own process)")
     bench.add_argument("--seeds", type=int, nargs="+", default=None, help="run every level with each of these "
                        "seeds (default: --seed)")

@@ -15,6 +15,7 @@ from keras_boost.fit.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
 from keras_boost.app.demo_net import demo_resnet
 from keras_boost.precision import resolve_precision
+from keras_boost.step import registry
 
 APPLICATIONS = {
     "resnet50": "ResNet50",
@@ -58,25 +59,31 @@ def build_model(name, seed=0):
     return factory(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
 
 
-def _boost_config(args, updates):
-    """The --config file (JSON only); a `grad_freeze` section it gives is sized to this run by default.
-
-    Without one the level's own freezing keeps its defaults (its continuous sequence is the
-    same pattern whatever its length): a section given would make it the user's fixed
-    choice, which the level's self-measurement may not switch off.
-    """
+def _boost_config(args, batches):
+    """The --config file (JSON only), each stage's section sized to this run's updates."""
     config = read_config(args.config) if args.config else {}
-    if isinstance(config.get("grad_freeze"), dict):
-        config["grad_freeze"].setdefault("total_steps", max(updates, 1))
+    options = cli_options(args)
+    per_update = 1
+    for cls in registry.stage_classes():
+        per_update *= cls.batches_per_update(options[cls.option]) if cls.option in options else 1
+    for cls in registry.stage_classes():
+        cls.size_level_config(config, batches // per_update)
     return config
 
 
+def cli_options(args):
+    """The compile options the flags of `keras-boost train` ask for (each stage reads its own)."""
+    options = {cls.option: cls.option_from_cli(args) for cls in registry.stage_classes()}
+    return {option: value for option, value in options.items() if value is not None}
+
+
 def needs_process_sets(args):
-    """Whether this run's stages register Horovod process sets (AdaSum, the hierarchical allreduce)."""
+    """Whether this run's stages, the level's or the flags', may register Horovod process sets."""
     from keras_boost.config import BoostConfig
 
-    features = BoostConfig(args.level, read_config(args.config) if args.config else None).features
-    return bool(features.get("adasum") or getattr(args, "hierarchical_allreduce", False))
+    level = registry.level_options(BoostConfig(args.level, read_config(args.config) if args.config else None))
+    options = {**level, **cli_options(args)}
+    return any(cls.uses_process_sets for cls in registry.stage_classes() if options.get(cls.option) is not None)
 
 
 def prepare(args):
@@ -94,18 +101,14 @@ def prepare(args):
     x_train, y_train = data.shard((x_train[order], y_train[order]), rank, size)
     x_test, y_test = data.shard((x_test, y_test), rank, size)
     steps = args.steps_per_epoch or len(x_train) // args.batch_size
-    updates = args.epochs * steps // args.accumulation
     base = build_model(args.model, args.seed)
     model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=args.level,
-                       boost_config=_boost_config(args, updates))
+                       boost_config=_boost_config(args, args.epochs * steps))
     model.compile(
         optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
-        loss_scale="dynamic" if args.loss_scale == "dynamic" else None,
-        gradient_accumulation=args.accumulation if args.accumulation > 1 else None,
-        compression=None if getattr(args, "compression", "none") == "none" else args.compression,
-        hierarchical_allreduce=bool(getattr(args, "hierarchical_allreduce", False)) or None,
+        **cli_options(args),
     )
     return model, (x_train, y_train), (x_test, y_test)
 
@@ -122,9 +125,8 @@ def boost_report(model):
     step = model.boost_step
     report = {"level": model.auto_boost.level if model.auto_boost else "O0",
               "precision": keras.config.dtype_policy().name}
-    if model.less_bn_report is not None:
-        report["batchnorms_removed"] = f"{model.less_bn_report.num_removed} of " \
-            f"{model.less_bn_report.num_removed + model.less_bn_report.num_kept}"
+    for rewrite in registry.rewrites():
+        report.update(rewrite.report(model))
     for option, kept, _ in getattr(model, "self_measurement", None) or ():
         report.setdefault("self_measurement", {})[option] = "kept" if kept else "switched off"
     for stage in step.stages:

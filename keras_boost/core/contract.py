@@ -95,6 +95,7 @@ class Stage:
     """
 
     option = None
+    option_help = None  # what `compile(<option>=...)` takes, in a sentence (BoostModel's docstring lists it)
     needs_finite = False
     default_for = None
     measurable = False
@@ -236,6 +237,27 @@ class Stage:
         """Under elastic training, at the workers' first agreement and whenever they re-form: rebuilds
         what depends on the set of workers. A stage that overrides it is built then, not before
         (its build may run collectives that must happen at the same point on every worker)."""
+
+    # ------------------------------------------------------- command line
+    uses_process_sets = False  # whether the stage may register Horovod process sets (asked for at `init`)
+
+    @classmethod
+    def add_cli_arguments(cls, groups):
+        """Adds this stage's flags of `keras-boost train`; `groups`: {"training", "communication": argparse group}."""
+
+    @classmethod
+    def option_from_cli(cls, args):
+        """The value of this stage's option that the parsed flags `args` ask for, or None (off)."""
+        return None
+
+    @classmethod
+    def batches_per_update(cls, value):
+        """How many batches one update takes when the option is `value` (a window stage: its length)."""
+        return 1
+
+    @classmethod
+    def size_level_config(cls, config, updates):
+        """Fits the stage's section of a boost configuration dict given to a run of `updates` updates."""
 
     # ------------------------------------------------------------- config
     def get_config(self):

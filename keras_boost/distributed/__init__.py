@@ -15,8 +15,8 @@ Keras bindings (`horovod.tensorflow.keras`, `horovod.keras`) are never used.
 Collectives are named by their position since the start of the trace being built, in
 the thread that builds it (Horovod pairs the workers' tensors by name), so the names do
 not depend on how often a worker traced, nor on what other threads trace meanwhile: a
-worker that joins an elastic job traces once more than the others, and the freeze
-groups' steps are traced in the background. Eager collectives are numbered apart
+worker that joins an elastic job traces once more than the others, and the steps of a
+stage's branches are traced in the background. Eager collectives are numbered apart
 (`keras_boost.eager.*`), from the last restart, which elastic training makes when the
 workers re-form (`restart_collective_names`).
 
@@ -34,8 +34,8 @@ program.
 `init(fusion_threshold_mb=..., cycle_time_ms=..., autotune=...)` sets Horovod's tensor
 fusion, cycle time and autotuning before `hvd.init()` reads them; `communication()` says
 which values are in force (docs/communication.md). Horovod's dynamic process sets, which
-AdaSum over groups and the hierarchical allreduce need and which slow every step, are on
-only when such a stage was compiled before Horovod started or `init(process_sets=True)`
+the stages that group workers need (`Stage.uses_process_sets`) and which slow every step,
+are on only when such a stage was compiled before Horovod started or `init(process_sets=True)`
 asks (`want_process_sets`, `dynamic_process_sets`).
 """
 

@@ -41,8 +41,8 @@ def _name(prefix):
     Horovod pairs the workers' tensors by name. Inside a trace, n counts from the start of
     the train step's trace (`start_trace`), in the thread that traces it, whatever a worker
     traced before and whatever other threads trace meanwhile: a worker that joins an
-    elastic job traces once more than the others, and the freeze groups' steps are traced
-    in the background (`keras_boost.step.dispatch`). Eager collectives count apart, from the
+    elastic job traces once more than the others, and the steps of a stage's branches are
+    traced in the background (`keras_boost.step.dispatch`). Eager collectives count apart, from the
     last restart of their numbering (`restart_collective_names`, which elastic training
     calls on every worker when the workers re-form), so they do not depend on which thread
     traced what.

@@ -141,8 +141,8 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
          autotune_log=None, process_sets=None):
     """Initialises Horovod when launched by `horovodrun`/`mpirun` (or given `comm`); a no-op otherwise.
 
-    Idempotent. Dynamic process sets are enabled so that AdaSum can create its groups
-    after initialisation. Under a launcher on a machine with GPUs, the worker is pinned to
+    Idempotent. Dynamic process sets are enabled when a stage that groups workers asks, so
+    that it can create its groups after initialisation. Under a launcher on a machine with GPUs, the worker is pinned to
     GPU `local_rank` of its host (see `pin_gpu`); call `init()` first thing, before
     building a model, so that TensorFlow has not claimed every GPU yet.
 
@@ -171,8 +171,8 @@ def init(comm=None, stall_timeout=None, *, fusion_threshold_mb=None, cycle_time_
         autotune_log: a CSV file where rank 0 logs the autotuning samples
             (`HOROVOD_AUTOTUNE_LOG`, `--autotune-log-file`).
         process_sets: whether Horovod runs with dynamic process sets
-            (`HOROVOD_DYNAMIC_PROCESS_SETS`), which AdaSum over groups and the hierarchical
-            allreduce need: they register process sets after Horovod starts. They cost
+            (`HOROVOD_DYNAMIC_PROCESS_SETS`), which the stages that group workers need
+            (`Stage.uses_process_sets`): they register process sets after Horovod starts. They cost
             every step: each Horovod cycle also agrees on the process-set table (on a
             1 Gbit/s link, 2 hosts, the demo model: 650 against 767 images/s per worker,
             docs/communication.md). None (default): on when `HOROVOD_DYNAMIC_PROCESS_SETS`
@@ -390,7 +390,7 @@ class _Tracing(threading.local):
     op_index = 0  # collectives this thread named since the start of the trace it builds
 
 
-_tracing = _Tracing()  # per thread: the freeze groups' steps are traced in the background
+_tracing = _Tracing()  # per thread: the steps of a stage's branches are traced in the background
 
 
 @contextlib.contextmanager
@@ -425,8 +425,8 @@ def _dynamic_process_sets(asked):
 
 
 def want_process_sets(what):
-    """Called when a stage that registers Horovod process sets is made (AdaSum over groups,
-    the hierarchical allreduce): Horovod will start with dynamic process sets.
+    """Called when a stage that registers Horovod process sets is made (`Stage.uses_process_sets`):
+    Horovod will start with dynamic process sets.
 
     A no-op without a launcher. Raises ValueError when Horovod already runs without them,
     naming `what` and the fix, so that the error comes when the stage is made, not at its
@@ -443,7 +443,7 @@ def want_process_sets(what):
             f"{what} registers Horovod process sets after Horovod starts, and Horovod was started without "
             "dynamic process sets (they cost every step, so keras_boost switches them on only when asked). Call "
             "keras_boost.distributed.init(process_sets=True) at the start of the script (keras-boost train does "
-            "when the run asks for AdaSum or the hierarchical allreduce), or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
+            "when the run asks for such a stage), or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
 
 
 def dynamic_process_sets():

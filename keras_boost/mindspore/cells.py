@@ -114,13 +114,13 @@ class BoostTrainOneStep(BoostStep):
         distributed.start_trace()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         scale = None
-        if self.loss_scale is not None:
-            scale = tf.identity(tf.reshape(tf.convert_to_tensor(self.loss_scale.scale), []))
+        if self.stage("loss_scale") is not None:
+            scale = tf.identity(tf.reshape(tf.convert_to_tensor(self.stage("loss_scale").scale), []))
         with distributed.boost_step_scope():  # the optimizer's distributed apply passes through
             loss, _ = self._run(x, y, sample_weight, branch)
         if scale is None:
             return loss
-        overflow = tf.cast(self.loss_scale.last_overflow.value, tf.bool)
+        overflow = tf.cast(self.stage("loss_scale").last_overflow.value, tf.bool)
         return loss, overflow, scale
 
     # ------------------------------------------- MindSpore's cell methods
@@ -134,7 +134,7 @@ class BoostTrainOneStep(BoostStep):
         if optimizer is not None and optimizer is not self.optimizer and getattr(
                 optimizer, "optimizer", None) is not self.optimizer:
             raise ValueError("`optimizer` must be this step's optimizer")
-        adasum = self.adasum
+        adasum = self.stage("adasum")
         if adasum is None or reducer_flag is False:
             return False
         return not adasum.built or adasum.groups > 1
@@ -167,12 +167,12 @@ class BoostTrainOneStep(BoostStep):
         across groups. Needs an AdaSum stage (`adasum=...`).
         """
         self._require_built()
-        if self.adasum is None:
+        if self.stage("adasum") is None:
             raise ValueError("adasum_process needs an AdaSum stage: make the step with adasum=True or AdaSum(...)")
         grads, indices = self._full_gradients(grads)
-        grads = self._communicate(grads, indices, self.adasum.reduce)
+        grads = self._communicate(grads, indices, self.stage("adasum").reduce)
         variables = [self._variables[i] for i in indices]
-        self.adasum.apply_update(self.optimizer, [tf.identity(g) for g in grads], variables)
+        self.stage("adasum").apply_update(self.optimizer, [tf.identity(g) for g in grads], variables)
         return loss
 
     def gradient_freeze_process(self, *inputs):
@@ -181,7 +181,7 @@ class BoostTrainOneStep(BoostStep):
         MindSpore's `gradient_freeze_process(*inputs)`: the group `sequence[position]`
         gets gradients and the update, the sequence advances. Needs a freeze stage.
         """
-        if self.freeze is None:
+        if self.stage("gradient_freeze") is None:
             raise ValueError("gradient_freeze_process needs a freeze stage: make the step with a FreezeOpt "
                              "optimizer or gradient_freeze=...")
         return self(*inputs)
@@ -215,4 +215,4 @@ class BoostTrainOneStepWithLossScale(BoostTrainOneStep):
         """Sets the loss scale from the host (MindSpore's `set_sense_scale`)."""
         if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, numbers.Real)) or isinstance(value, bool):
             raise TypeError(f"The input type must be Tensor, but got {type(value).__name__}")
-        self.loss_scale.scale.assign(tf.reshape(tf.cast(value, tf.float32), []))
+        self.stage("loss_scale").scale.assign(tf.reshape(tf.cast(value, tf.float32), []))

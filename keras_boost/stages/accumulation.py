@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from keras_boost import _keras_compat
-from keras_boost._validation import check_int
+from keras_boost._validation import check_int, positive_int_arg
 from keras_boost.core.contract import Stage, StepContext, Window
 from keras_boost.core.state import BoostState
 
@@ -55,6 +55,7 @@ class GradientAccumulation(Stage):
     """
 
     option = "gradient_accumulation"
+    option_help = 'micro-batches per update (int), a `GradientAccumulation`, or False.'
     option_values = "None, False, a positive int (micro-batches per update)"
 
     def __init__(self, max_accumulation_step, optimizer=None):
@@ -65,6 +66,18 @@ class GradientAccumulation(Stage):
         self.optimizer = optimizer
         self.accumulators = []
         self.micro_step = None
+
+    @classmethod
+    def add_cli_arguments(cls, groups):
+        groups["training"].add_argument("--accumulation", type=positive_int_arg, default=1, help="micro-batches per update")
+
+    @classmethod
+    def option_from_cli(cls, args):
+        return args.accumulation if getattr(args, "accumulation", 1) > 1 else None
+
+    @classmethod
+    def batches_per_update(cls, value):
+        return getattr(value, "max_accumulation_step", value) or 1
 
     @classmethod
     def from_option(cls, value, model):

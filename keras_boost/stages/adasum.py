@@ -67,6 +67,7 @@ class AdaSum(Stage):
     """
 
     option = "adasum"
+    option_help = 'True, or an `AdaSum` stage (False: off): updates combined across worker groups by AdaSum.'
     needs_finite = False
 
     def __init__(self, rank=None, device_number=None, group_number=None, parameter_tuple=None, backend="auto",
@@ -78,6 +79,8 @@ class AdaSum(Stage):
         self.backend = check_choice("backend", backend, adasum_ops.BACKENDS)
         self.parameter_tuple = tuple(parameter_tuple) if parameter_tuple is not None else None
         self.built = False  # the topology (and Horovod) is resolved at build, never at construction
+
+    uses_process_sets = True  # groups of several workers
 
     @classmethod
     def from_option(cls, value, model):

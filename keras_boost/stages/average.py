@@ -30,6 +30,9 @@ class Average(Stage):
     """
 
     option = "gradient_split_groups"
+    option_help = ('None (one grouped allreduce per update), "each" (one allreduce per gradient, sent as soon as it '
+                   'exists) or increasing indices into `trainable_variables` at which to start a new fused allreduce'
+                   " (MindSpore's `gradient_split_groups`).")
     default_for = "reduce"
     carries_votes = True  # a scalar added to the list is averaged in the gradients' collective (step/loop.py)
 

@@ -50,6 +50,9 @@ class GradientCentralization(Stage):
     """
 
     option = "gradient_centralization"
+    option_help = ('True or "mindspore" (MindSpore\'s rule: conv/dense kernels whose input channels are a multiple of'
+                   ' 16), "all" (the keras-io recipe: every gradient of rank 2 or more), or a '
+                   '`GradientCentralization`.')
     option_values = "None, a bool, 'mindspore', 'all'"
     measurable = True
     level_section = "less_bn"  # a level's GC is LessBN's gc_flag

@@ -25,6 +25,8 @@ class GradientClipping(Stage):
     """
 
     option = "gradient_clipping"
+    option_help = ('a clip norm (positive number: the averaged gradients clipped to that global norm) or a '
+                   '`GradientClipping`.')
     _optimizer = None  # the step's optimizer, once built (`transform` allows for its loss scale)
 
     def __init__(self, clip_norm):

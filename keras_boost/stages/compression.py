@@ -128,10 +128,22 @@ class GradientCompression(Stage):
     """
 
     option = "compression"
+    option_help = ('"float16"/"fp16", "bfloat16"/"bf16" or a `GradientCompression`: the gradients cross the wire in '
+                   'that dtype.')
 
     def __init__(self, dtype="float16"):
         self.dtype = check_dtype("dtype", dtype)
         self._dtypes = None  # the gradients' own dtypes, set by encode for the decode that follows
+
+    @classmethod
+    def add_cli_arguments(cls, groups):
+        groups["communication"].add_argument(
+            "--compression", choices=["none", "float16", "bfloat16"], default="none",
+            help="gradients on the wire in this precision (decompressed before the update)")
+
+    @classmethod
+    def option_from_cli(cls, args):
+        return None if getattr(args, "compression", "none") == "none" else args.compression
 
     @classmethod
     def from_option(cls, value, model):

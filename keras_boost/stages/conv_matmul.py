@@ -47,6 +47,7 @@ class ConvMatmul(Stage):
     """
 
     option = "conv_matmul"
+    option_help = 'True: convolutions whose output is one pixel computed as matrix products (on at O1/O2).'
     on_with_true = True
 
     def report(self, step):

@@ -53,6 +53,8 @@ class FusedBatchNorm(Stage):
     """
 
     option = "fused_batchnorm"
+    option_help = ("True: the BatchNormalization layers' training forward pass through TensorFlow's fused kernel (on"
+                   ' at O1/O2).')
     on_with_true = True
 
     def report(self, step):

@@ -40,6 +40,8 @@ class FusedUpdate(Stage):
     """
 
     option = "fused_update"
+    option_help = ("True: Keras' SGD, Adam and AdamW updates through TensorFlow's fused kernels, one per variable "
+                   '(on at O1/O2).')
     on_with_true = True
 
     def report(self, step):

@@ -57,11 +57,23 @@ class HierarchicalAllreduce(Stage):
     """
 
     option = "hierarchical_allreduce"
+    option_help = 'True or a `HierarchicalAllreduce`: the average taken inside each host, then across hosts.'
 
     def __init__(self, local_size=None):
         self.local_size = check_optional_int("local_size", local_size, 1)
         self.plan = None  # None: plain fused allreduce (or nothing in one process)
         self.built = False
+
+    uses_process_sets = True  # the hosts' groups
+
+    @classmethod
+    def add_cli_arguments(cls, groups):
+        groups["communication"].add_argument("--hierarchical-allreduce", action="store_true",
+                                             help="reduce inside each host, then across hosts (for many workers per host)")
+
+    @classmethod
+    def option_from_cli(cls, args):
+        return True if getattr(args, "hierarchical_allreduce", False) else None
 
     @classmethod
     def from_option(cls, value, model):

@@ -31,6 +31,8 @@ class LossScale(Stage):
     """
 
     option = "loss_scale"
+    option_help = ('None or "auto" (dynamic scaling under the `mixed_float16` policy, none otherwise), False (none),'
+                   ' "dynamic", a number or scalar tensor (fixed), or a `DynamicLossScale` / `FixedLossScale`.')
     option_values = "None, 'auto', False, 'dynamic', a positive number, a scalar tensor"
     needs_finite = True
     drop_overflow_update = True
@@ -39,6 +41,14 @@ class LossScale(Stage):
         self.scale = None
         self.last_overflow = None
         self.overflow_count = None
+
+    @classmethod
+    def add_cli_arguments(cls, groups):
+        groups["training"].add_argument("--loss-scale", choices=["none", "dynamic"], default="none")
+
+    @classmethod
+    def option_from_cli(cls, args):
+        return "dynamic" if getattr(args, "loss_scale", "none") == "dynamic" else None
 
     @classmethod
     def from_option(cls, value, model):

@@ -21,6 +21,9 @@ class NanGuard(Stage):
     """Skips (and counts) updates whose averaged gradient is not finite (optax's `apply_if_finite`)."""
 
     option = "nan_guard"
+    option_help = ('True: without loss scaling, stop `fit` with `FloatingPointError` at the first update whose '
+                   'averaged gradient is not finite, before it reaches the weights (every update then waits for a '
+                   'check of all gradients). Default False: the update is applied, as keras.Model does.')
     needs_finite = True
 
     def __init__(self):

@@ -52,6 +52,22 @@ def options():
     return [e.cls.option for e in _ENTRIES]
 
 
+def stage_classes():
+    """Every registered stage class, the defaults of single hooks last."""
+    _ensure_builtin()
+    return [e.cls for e in _ENTRIES] + list(_DEFAULTS)
+
+
+def describe_options(indent="        "):
+    """One wrapped paragraph per registered option (its stage's `option_help`), for docstrings."""
+    import textwrap
+
+    _ensure_builtin()
+    classes = [e.cls for e in _ENTRIES] + [cls for cls in _DEFAULTS if cls.option_help]
+    return "\n".join(textwrap.fill(f"{cls.option}: {cls.option_help or 'see ' + cls.__name__}", 100,
+                                    initial_indent=indent, subsequent_indent=indent + "    ") for cls in classes)
+
+
 def make_stages(values, model, extra=(), defaults=None):
     """The stages for the given option values (missing options are off), in registry order.
 
@@ -173,6 +189,9 @@ BUILTIN = (
 )
 # the default stages of single hooks, made when no other stage owns the hook
 BUILTIN_DEFAULTS = (("average", "Average"), ("optimizer_update", "OptimizerUpdate"))
+# the model rewrites a level may run when a BoostModel is made, in their order (core/rewrite.py)
+BUILTIN_REWRITES = (("less_bn", "LessBNRewrite"),)
+_REWRITES = []
 
 
 def _stage_class(module, name):
@@ -188,6 +207,23 @@ def _ensure_builtin():
     builtin = [_Entry(_stage_class(module, name), unless) for module, name, unless in BUILTIN]
     _ENTRIES[:0] = [e for e in builtin if e.cls.option not in [x.cls.option for x in _ENTRIES]]
     _DEFAULTS[:] = [_stage_class(module, name) for module, name in BUILTIN_DEFAULTS]
+    _REWRITES[:0] = [_stage_class(module, name)() for module, name in BUILTIN_REWRITES]
+
+
+def rewrites():
+    """The model rewrites (`core.rewrite.ModelRewrite`), in the order a BoostModel runs them."""
+    _ensure_builtin()
+    return list(_REWRITES)
+
+
+def register_rewrite(rewrite):
+    """Adds a `ModelRewrite` instance after the others; returns it."""
+    from keras_boost.core.rewrite import ModelRewrite
+
+    if not isinstance(rewrite, ModelRewrite):
+        raise TypeError(f"`rewrite` must be a ModelRewrite instance, got {rewrite!r} ({type(rewrite).__name__}).")
+    _REWRITES.append(rewrite)
+    return rewrite
 
 
 def check_stage(stage):

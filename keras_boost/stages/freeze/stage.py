@@ -30,6 +30,8 @@ class FreezeStage(Stage):
     """
 
     option = "gradient_freeze"
+    option_help = ("True (a `GradientFreeze` with MindSpore's defaults), a `GradientFreeze` (turned into groups of "
+                   'this model), a `FreezeOpt`, or False.')
     measurable = True
     level_section = "grad_freeze"
     # A boost level's freezing is kept when the schedule's mean step is at least this much
@@ -62,6 +64,16 @@ class FreezeStage(Stage):
         if isinstance(value, FreezeStage):
             return value
         return cls(value)
+
+    @classmethod
+    def size_level_config(cls, config, updates):
+        """A `grad_freeze` section given to a run is sized to its updates (`total_steps`) by default.
+
+        Without one the level's own freezing keeps its defaults (its continuous sequence is the
+        same pattern whatever its length): a section given would make it the user's fixed
+        choice, which the level's self-measurement may not switch off."""
+        if isinstance(config.get("grad_freeze"), dict):
+            config["grad_freeze"].setdefault("total_steps", max(updates, 1))
 
     @classmethod
     def from_level(cls, boost_config, validate=False):
