@@ -236,6 +236,24 @@ def _compute_loss_takes_training(compute_loss):
     return "training" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
 
 
+def training_batches(arguments):
+    """A `tf.data.Dataset` of the inputs of fit's training batches, once through (fit's keyword
+    `arguments`, as given to Keras; arrays batched in their order, not shuffled)."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    x, y, weights = arguments.get("x"), arguments.get("y"), arguments.get("sample_weight")
+    if arguments.get("validation_split") and arguments.get("validation_data") is None \
+            and not isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        (x, y, weights), _ = train_validation_split((x, y, weights), validation_split=arguments["validation_split"])
+    steps = arguments.get("steps_per_epoch")
+    adapter = get_data_adapter(x, y, weights, batch_size=arguments.get("batch_size"), steps_per_epoch=steps,
+                               shuffle=False)
+    dataset = adapter.get_tf_dataset().map(lambda *batch: keras.utils.unpack_x_y_sample_weight(
+        batch[0] if len(batch) == 1 else batch)[0])
+    return dataset.take(steps) if steps is not None else dataset
+
+
 def without_epoch_stalls(arguments):
     """fit's arguments with in-memory arrays given as Keras' own dataset, minus tf.data's autotuning.
 

@@ -47,9 +47,8 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
     Example:
         >>> inputs = keras.Input((28, 28, 1))
         >>> outputs = keras.layers.Dense(10)(keras.layers.Flatten()(inputs))
-        >>> model = keras_boost.BoostModel(inputs, outputs)
-        >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
-        ...               gradient_accumulation=4)
+        >>> model = keras_boost.BoostModel(inputs, outputs, boost_level="O1")
+        >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         >>> model.fit(x, y, batch_size=32)
     """
 
@@ -173,7 +172,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     # ----------------------------------------------------------------- steps
-    # The freeze groups' steps may be traced in a background thread (`step/dispatch.py`);
+    # The steps of a stage's branches may be traced in a background thread (`step/dispatch.py`);
     # Keras' per-layer call state (the `add_loss` lists) allows one caller at a time.
     def __call__(self, *args, **kwargs):
         from keras_boost.step.dispatch import KERAS_LOCK
@@ -197,7 +196,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
         return self.branch_train_step(data, None)
 
     def branch_train_step(self, data, branch):
-        """The boost step of freeze group `branch` (a Python int), or of the step's own choice (None)."""
+        """The boost step of branch `branch` (a Python int), or of the step's own choice (None)."""
         if self.boost_step is None:
             raise RuntimeError("BoostModel must be compiled before training; call model.compile(...)")
         if not self.boost_step.built and not all(layer.built for layer in _keras_compat.flatten_layers(self)):
@@ -215,7 +214,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             return self.train_function
         with without_jit_for_collectives(self):
             if self._chooses_branches_in_python():
-                # One compiled function per freeze group, each traced when the group first trains.
+                # One compiled function per branch, each traced when the branch first trains.
                 self.train_function = BranchTrainFunction(self, self.jit_compile)
                 return self.train_function
             return super().make_train_function(force=force)
@@ -234,7 +233,7 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
             from keras_boost.step.dispatch import BranchTrainFunction
 
             if isinstance(getattr(self, "train_function", None), BranchTrainFunction):
-                self.train_function.finish_tracing()  # the freeze groups' steps traced in the background
+                self.train_function.finish_tracing()  # the branches' steps traced in the background
 
     def _fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         from keras_boost.fit import dropin
@@ -270,8 +269,11 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 self.__dict__["_stop_together"] = together
             guard.start()
             try:
-                kwargs = _keras_compat.without_epoch_stalls(data_sync.prepare_fit(self, kwargs, callbacks))
-                return super().fit(callbacks=callbacks, verbose=verbose, **kwargs)
+                kwargs = data_sync.prepare_fit(self, kwargs, callbacks)
+                history = super().fit(callbacks=callbacks, verbose=verbose,
+                                      **_keras_compat.without_epoch_stalls(kwargs))
+                self._after_fit(kwargs)
+                return history
             except tf.errors.OpError as error:
                 if not _abandoned(error) or distributed.elastic_launch():
                     raise
@@ -283,7 +285,16 @@ class BoostModel(_keras_compat.BoostLogsMixin, keras.Model):
                 together = self.__dict__.pop("_stop_together", None)
                 if together is not None:
                     self.__dict__["_stop_training"] = together.decision()
-        return super().fit(callbacks=callbacks, verbose=verbose, **_keras_compat.without_epoch_stalls(kwargs))
+        history = super().fit(callbacks=callbacks, verbose=verbose, **_keras_compat.without_epoch_stalls(kwargs))
+        self._after_fit(kwargs)
+        return history
+
+    def _after_fit(self, kwargs):
+        """The stages' work once fit has returned (`Stage.after_fit`), on every worker; `kwargs`: the
+        data as fit got it (arrays are batched again in their order, not shuffled)."""
+        for stage in self.boost_step.stages if self.boost_step is not None else ():
+            if stage.overrides("after_fit"):
+                stage.after_fit(self, lambda: _keras_compat.training_batches(kwargs))
 
     @property
     def stop_training(self):

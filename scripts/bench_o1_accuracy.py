@@ -13,7 +13,9 @@ Variants: O0, O1 (keras_boost's defaults), O1-mindspore (MindSpore's defaults: G
 freezing over 10 groups), and diagnostics of MindSpore's O1: O1-fn-off (without the FN head),
 O1-freeze-off, O1-gc-off; O1-cont (no GC, continuous freezing over 10 groups), O1-cont4 (over 4
 groups: keras_boost's defaults), O1-cont4-gc (with GC),
-O1-nocm (keras_boost's O1 without its one-pixel matrix products), O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1)).
+O1-nocm (keras_boost's O1 without its one-pixel matrix products), O1-scale1 (the FN head's multiplier starting at MindSpore's 1.0), O1-adacos (at sqrt(2) ln(C-1));
+O0-swa (O0 with stochastic weight averaging over the last quarter of the epochs, `swa=0.75`),
+O0-swa-last (SWA over the last epoch alone: the last weights with SWA's BatchNorm pass).
 Prints one JSON line per run: family, variant, seed, test accuracy, seconds.
 
     python scripts/bench_o1_accuracy.py --families convnet --variants O0 O1 --train-samples 10000 --epochs 3
@@ -53,6 +55,11 @@ VARIANTS = {
     "O1-adacos": ("O1", MS),
 }
 SCALES = {"O1-scale1": "mindspore", "O1-adacos": "adacos"}
+# compile options of a variant: O0 with stochastic weight averaging over the last quarter of the epochs
+VARIANTS["O0-swa"] = ("O0", None)
+VARIANTS["O0-swa-last"] = ("O0", None)
+COMPILE = {"O0-swa": {"swa": 0.75},
+           "O0-swa-last": {"swa": -1}}  # the last epoch alone: SWA's BatchNorm pass without an average
 
 
 def convnet():
@@ -113,7 +120,8 @@ def run(family, variant, seed, args, data):
     less_bn.FN_SCALE = SCALES.get(variant, 16.0)
     model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=level, boost_config=config)
     model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], **{k: (args.epochs - 1 if v == -1 else v)
+                                           for k, v in COMPILE.get(variant, {}).items()})
     start = time.perf_counter()
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
     seconds = time.perf_counter() - start

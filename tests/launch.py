@@ -213,6 +213,7 @@ SHARED = {
         ("compression", "compression", []),
         ("horovod_example", "horovod_example", []),
         ("batchnorm_stats", "batchnorm_stats", []),
+        ("swa", "swa", []),
         ("uneven_data", "uneven_data", ["numpy,numpy_shuffled,dataset,pydataset"]),
         ("idioms", "idioms", ["{tmp}"]),
         ("mismatch", "mismatch", []),

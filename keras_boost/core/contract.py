@@ -221,6 +221,11 @@ class Stage:
         """Keras callbacks this stage needs in every `fit` of its model (BoostModel adds them first)."""
         return []
 
+    def after_fit(self, model, batches):
+        """On every worker, once `fit` has returned: `batches()` is a `tf.data.Dataset` of the fit's
+        training inputs, once through, as fit batched them (inputs only; arrays unshuffled), for a
+        stage that ends its work with a pass over the data (SWA's BatchNorm statistics)."""
+
     def report_callbacks(self):
         """Callbacks that count what this stage did in a `fit`, for `report` (`keras-boost train` and
         `bench` add them; a plain `fit` runs without them)."""

@@ -53,8 +53,8 @@ class BoostStep(BranchPlanning):
             of stages registered with `registry.register` included), turned into stages by
             the registry; a ready stage object is accepted too.
 
-    The step gives each stage by its option: `step.stage("gradient_freeze")` (None when off). MindSpore's callable cell over this loop is
-    `keras_boost.BoostTrainOneStep` (`keras_boost/mindspore/cells.py`).
+    The step gives each stage by its option: `step.stage(option)` (None when off). MindSpore's
+    callable cell over this loop is `keras_boost.BoostTrainOneStep` (`keras_boost/mindspore/cells.py`).
     """
 
     def __init__(self, model, optimizer, sens=1.0, *, gradient_split_groups=None, stages=(), loss_fn=None,
@@ -184,8 +184,8 @@ class BoostStep(BranchPlanning):
             target = loss * self.sens if self.sens != 1.0 else loss
             for stage in self._with("scale_loss"):
                 target = stage.scale_loss(target)
-            # The optimizer's own loss scale (Keras' `LossScaleOptimizer`, an optimizer's
-            # `loss_scale_factor`), which its `apply` divides out again, as in keras.Model's
+            # The optimizer's own scaling (Keras' `LossScaleOptimizer`, or the scale factor an
+            # optimizer was made with), which its `apply` divides out again, as in keras.Model's
             # step. A plain optimizer returns the loss as it is (no op).
             target = self.optimizer.scale_loss(target)
         grads = tape.gradient(target, watched)

@@ -186,6 +186,7 @@ BUILTIN = (
     ("adasum", "AdaSum", ()),
     ("compression", "GradientCompression", ()),
     ("hierarchical", "HierarchicalAllreduce", ()),
+    ("swa", "StochasticWeightAveraging", ()),
 )
 # the default stages of single hooks, made when no other stage owns the hook
 BUILTIN_DEFAULTS = (("average", "Average"), ("optimizer_update", "OptimizerUpdate"))
