@@ -766,6 +766,21 @@ BREAKS = (
           'self.count = context.state.add_state("swa/count", 0, "int64")',
           "self.count = tf.Variable(0, dtype=tf.int64)",
           ("tests/test_resume.py::test_backup_and_restore_resumes_bit_identically",)),
+    Break("cli_flag_dropped", "keras-boost train parses --accumulation but trains without it",
+          "keras_boost/stages/accumulation.py",
+          '        return args.accumulation if getattr(args, "accumulation", 1) > 1 else None',
+          "        return None",
+          ("tests/test_cli.py::test_each_stages_flags_become_its_compile_option",)),
+    Break("cli_window_not_counted", "a config's freezing is sized to batches, not to the accumulation's updates",
+          "keras_boost/stages/accumulation.py",
+          '        return getattr(value, "max_accumulation_step", value) or 1',
+          "        return 1",
+          ("tests/test_cli.py::test_each_stages_flags_become_its_compile_option",)),
+    Break("native_adasum_on_gloo", "Horovod's native Adasum thought available without MPI",
+          "keras_boost/stages/adasum_ops.py",
+          '    return bool(distributed.launch_facts()["mpi"] and groups >= 1',
+          "    return bool(groups >= 1",
+          ("tests/test_distributed.py::test_capabilities_report_the_build",)),
 )
 
 

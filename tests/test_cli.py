@@ -230,3 +230,24 @@ def test_a_failed_job_ends_with_the_lost_ranks_and_the_command_to_relaunch(capfd
         "keras_boost: lost: rank 0 of 2 on hostA: a collective of fit was abandoned: nothing heard from rank 1 on "
         "hostB (last heard 31 s ago)",
         "keras-boost: to go on, relaunch: keras-boost train --hosts hostA:1,hostB:1"]
+
+
+def test_each_stages_flags_become_its_compile_option(tmp_path):
+    """`keras-boost train`'s feature flags come from the stages (`add_cli_arguments`), and each stage
+    turns its own into its compile option (`option_from_cli`); a config's grad_freeze section is sized
+    to the run's updates, accumulation's window counted."""
+    from keras_boost.app import training
+    from keras_boost.app.cli import build_parser
+
+    parser = build_parser()
+    plain = parser.parse_args(["train"])
+    assert training.cli_options(plain) == {}
+    flags = parser.parse_args(["train", "--accumulation", "4", "--loss-scale", "dynamic", "--compression", "float16",
+                               "--hierarchical-allreduce", "--swa", "0.5"])
+    assert training.cli_options(flags) == {"gradient_accumulation": 4, "loss_scale": "dynamic",
+                                           "compression": "float16", "hierarchical_allreduce": True, "swa": 0.5}
+    assert training.needs_process_sets(flags) and not training.needs_process_sets(plain)
+    config = tmp_path / "freeze.json"
+    config.write_text(json.dumps({"grad_freeze": {"param_groups": 2}}))
+    sized = parser.parse_args(["train", "--accumulation", "4", "--config", str(config)])
+    assert training._boost_config(sized, 40)["grad_freeze"]["total_steps"] == 10  # 40 batches, 4 per update

@@ -29,7 +29,12 @@ def test_capabilities_report_the_build():
     assert caps["tensorflow"] == tf.__version__
     assert caps["horovod"] == "0.28.1"
     assert caps["mpi_built"] and caps["gloo_built"]
-    assert caps["size"] == 1 and caps["controller"] is None and caps["native_adasum"] is False
+    assert caps["size"] == 1 and caps["controller"] is None
+    assert distributed.launch_facts() == {"mpi": False, "nccl": False, "homogeneous": True,
+                                          "size": 1, "local_size": 1, "gpu": bool(caps["gpus"])}
+    from keras_boost.stages import adasum_ops
+
+    assert adasum_ops.native_adasum_available(1) is False  # Horovod's Adasum needs an MPI launch
 
 
 def test_horovod_module_needs_a_launcher():

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from keras_boost import distributed
 from keras_boost.precision import choose_policy
+from keras_boost.stages import adasum_ops
 from tests.launch import run_ok
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,12 +235,12 @@ def test_mixed_float16_gets_the_dynamic_loss_scale():
 ])
 def test_hierarchical_gpu_adasum_only_where_it_is_adasum_over_nodes(groups, device_number, local_size, size, nccl,
                                                                    mpi, homogeneous, expected):
-    assert distributed.adasum_gpu_plan(groups, device_number, local_size, size, nccl, mpi, homogeneous) is expected
+    assert adasum_ops.adasum_gpu_plan(groups, device_number, local_size, size, nccl, mpi, homogeneous) is expected
 
 
 def test_no_gpu_adasum_on_cpu():
     if not GPUS:
-        assert distributed.gpu_adasum_available(2, 1) is False
+        assert adasum_ops.gpu_adasum_available(2, 1) is False
 
 
 # ------------------------------------------------------------- GPU machines

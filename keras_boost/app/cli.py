@@ -25,9 +25,12 @@ def _info(args):
         return _preflight(args)
     from keras_boost import distributed
 
+    from keras_boost.step import registry
+
     caps = distributed.capabilities()
+    stage_info = [line for cls in registry.stage_classes() for line in cls.launch_info(caps)]
     if args.json:
-        print(json.dumps(caps))
+        print(json.dumps({**caps, **{key: value for key, _, value, _ in stage_info}}))
         return 0
     print(f"TensorFlow        {caps['tensorflow']}")
     print(f"Keras             {caps['keras']}")
@@ -45,16 +48,14 @@ def _info(args):
         else:
             print("GPU pinning       under a launcher, worker local_rank uses GPU local_rank only (memory growth on)")
         print(f"GPU allreduce     {caps['gpu_allreduce']}")
-        print(f"GPU AdaSum        {caps['gpu_adasum']}")
     else:
         print("GPUs              none (CPU only)")
     if caps["launched"]:
         print(f"world size        {caps['size']} ({caps['controller']} controller)")
-        print(f"AdaSum combine    {'native Horovod Adasum' if caps['native_adasum'] else 'exact keras_boost fallback'}")
     else:
         print("world size        1 (no launcher; run under horovodrun or mpirun for more)")
-        print("AdaSum combine    native Horovod Adasum under an MPI launch with a power-of-two number of "
-              "groups, the exact keras_boost fallback otherwise")
+    for _, label, _, text in stage_info:  # what the build allows each feature
+        print(f"{label:<17} {text}")
     if caps["horovod"]:
         comm = distributed.communication()
         print(f"tensor fusion     {comm['fusion_threshold_mb']:g} MiB ({comm['source']['fusion_threshold']}), cycle "

@@ -256,6 +256,12 @@ class Stage:
         return None
 
     @classmethod
+    def launch_info(cls, capabilities):
+        """What the build and launch (`distributed.capabilities()`) allow this stage, for `keras-boost
+        info`: a list of (JSON key, label, JSON value, text line)."""
+        return []
+
+    @classmethod
     def batches_per_update(cls, value):
         """How many batches one update takes when the option is `value` (a window stage: its length)."""
         return 1

@@ -49,11 +49,10 @@ from keras_boost.distributed.runtime import (DEFAULT_STALL_TIMEOUT, HOROVOD_CYCL
                                              local_size, rank, size, stall_check_seconds, stall_timeout,
                                              want_process_sets)
 from keras_boost.distributed.gpu import gpu_for_worker, gpus, pin_gpu, pinned  # noqa: F401
-from keras_boost.distributed.collectives import (CollectiveMismatch, adasum_allreduce,  # noqa: F401
+from keras_boost.distributed.collectives import (CollectiveMismatch, allreduce_op,  # noqa: F401
                                                  add_process_set, allgather, allgather_object, allreduce,
                                                  allreduce_count, allreduce_each, barrier, broadcast_object,
                                                  broadcast_variables, count_collectives, counting,
                                                  grouped_allreduce, reducescatter, rendezvous,
                                                  restart_collective_names, start_trace)
-from keras_boost.distributed.capabilities import (adasum_gpu_plan, capabilities,  # noqa: F401
-                                                  gpu_adasum_available, native_adasum_available)
+from keras_boost.distributed.capabilities import capabilities, launch_facts  # noqa: F401

@@ -1,7 +1,7 @@
 """Collectives across the workers, named by position so that every worker pairs them alike.
 
 Averages and sums (`grouped_allreduce`, `allreduce_each`, `allreduce`, bfloat16 through
-an allgather), `reducescatter`, native `adasum_allreduce`, gathers, broadcasts, process
+an allgather), `reducescatter`, `allreduce_op` (any of Horovod's reduce operations), gathers, broadcasts, process
 sets, and the `rendezvous` behind `barrier`, fit's start and evaluate across workers; in a
 single process each returns its input. Also the collective
 counter that tests read (`count_collectives`, `allreduce_count`).
@@ -173,19 +173,23 @@ def allreduce(tensor, average=True, process_set=None):
     return grouped_allreduce([tensor], average=average, process_set=process_set)[0]
 
 
-def adasum_allreduce(tensors, process_set=None, device=""):
-    """Horovod's native Adasum of each tensor across workers (MPI builds only).
+def allreduce_op(tensors, op, process_set=None, device=""):
+    """Horovod's allreduce of each tensor with its reduce operation `op`, by name (`"Sum"`,
+    `"Average"`, `"Min"`, `"Max"`, `"Product"`, or one a build offers, such as its MPI-only
+    adaptive summation), one collective per tensor.
 
-    `device` is Horovod's `device_dense`: "/CPU:0" runs the CPU Adasum (MPI, host memory)
-    even on GPU tensors; "" lets Horovod run its hierarchical GPU Adasum on GPU tensors
-    when it is built with NCCL.
+    `device` is Horovod's `device_dense`: "/CPU:0" runs the operation's CPU implementation
+    (host memory) even on GPU tensors; "" lets Horovod pick its GPU one for GPU tensors.
     """
     hvd = horovod()
+    operation = getattr(hvd, op, None)
+    if operation is None:
+        raise ValueError(f"`op` must name a reduce operation of horovod.tensorflow, got {op!r}")
     kwargs = {} if process_set is None else {"process_set": process_set}
-    if device:  # the input on that device too: Horovod picks its GPU or CPU Adasum by the input's device
+    if device:  # the input on that device too: Horovod picks its GPU or CPU kernel by the input's device
         with tf.device(device):
             tensors = [tf.identity(t) for t in tensors]
-    reduced = [hvd.allreduce(t, op=hvd.Adasum, name=_name("adasum"), device_dense=device, **kwargs)
+    reduced = [hvd.allreduce(t, op=operation, name=_name(op.lower()), device_dense=device, **kwargs)
                for t in tensors]
     return _count(reduced)
 

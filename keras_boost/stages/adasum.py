@@ -83,6 +83,22 @@ class AdaSum(Stage):
     uses_process_sets = True  # groups of several workers
 
     @classmethod
+    def launch_info(cls, capabilities):
+        if capabilities["controller"] is None:
+            combine = ("native_adasum", "AdaSum combine", False, "native Horovod Adasum under an MPI launch with a "
+                       "power-of-two number of groups, the exact keras_boost fallback otherwise")
+        else:
+            native = adasum_ops.native_adasum_available(capabilities["size"])
+            combine = ("native_adasum", "AdaSum combine", native,
+                       "native Horovod Adasum" if native else "exact keras_boost fallback")
+        info = [combine]
+        if capabilities["gpus"]:
+            gpu = ("hierarchical (NCCL within a node, MPI Adasum across nodes) when device_number is the GPUs per "
+                   "node under MPI, CPU Adasum otherwise") if capabilities["nccl_built"] else "CPU Adasum (host memory)"
+            info.append(("gpu_adasum", "GPU AdaSum", gpu, gpu))
+        return info
+
+    @classmethod
     def from_option(cls, value, model):
         """None/False, True, or an `AdaSum` stage."""
         stage = cls() if value is True else super().from_option(value, model)
@@ -175,7 +191,7 @@ class AdaSum(Stage):
     def _choose_backend(self, groups, device_number):
         if groups == 1:
             return None
-        native_possible = distributed.native_adasum_available(groups) and _power_of_two(device_number)
+        native_possible = adasum_ops.native_adasum_available(groups) and _power_of_two(device_number)
         if self.backend == adasum_ops.NATIVE and not native_possible:
             raise ValueError(
                 "backend='native' needs an MPI launch, a power-of-two number of groups and a power-of-two "
@@ -184,7 +200,7 @@ class AdaSum(Stage):
             )
         if self.backend == adasum_ops.EXACT or not native_possible:
             return adasum_ops.EXACT
-        if distributed.gpu_adasum_available(groups, device_number):
+        if adasum_ops.gpu_adasum_available(groups, device_number):
             return adasum_ops.NATIVE_GPU  # GPU tensors, a group per node: Horovod's hierarchical GPU Adasum
         return adasum_ops.NATIVE
 

@@ -44,7 +44,7 @@ EXACT = "exact"
 AUTO = "auto"
 BACKENDS = (AUTO, NATIVE, EXACT)
 # Resolved only (not a user choice): Horovod's hierarchical GPU Adasum, NCCL within each node
-# and MPI Adasum across nodes, on GPU tensors; see `distributed.gpu_adasum_available`.
+# and MPI Adasum across nodes, on GPU tensors; see `gpu_adasum_available`.
 NATIVE_GPU = "native_gpu"
 
 # The public functions hold no tensor-dependent Python control flow: AutoGraph need not
@@ -205,6 +205,30 @@ def _group_size(process_set):
     return distributed.size() if process_set is None else process_set.size()
 
 
+def native_adasum_available(groups):
+    """Horovod's Adasum runs only on an MPI launch and a power-of-two number of groups."""
+    return bool(distributed.launch_facts()["mpi"] and groups >= 1 and groups & (groups - 1) == 0)
+
+
+def gpu_adasum_available(groups, device_number):
+    """Whether Horovod's hierarchical GPU Adasum computes keras_boost's AdaSum over `groups` groups.
+
+    Horovod runs Adasum on GPU tensors as an NCCL sum inside each node, then Adasum
+    across nodes (MPI), then an NCCL broadcast back: that is AdaSum over the groups when
+    the groups are the nodes (`device_number == local_size`, every node the same size),
+    their number is a power of two, and Horovod was built with NCCL and runs under MPI.
+    """
+    facts = distributed.launch_facts()
+    return facts["gpu"] and adasum_gpu_plan(groups, device_number, facts["local_size"], facts["size"], facts["nccl"],
+                                            facts["mpi"], facts["homogeneous"])
+
+
+def adasum_gpu_plan(groups, device_number, local_size, size, nccl_built, mpi_enabled, homogeneous):
+    """Pure rule of `gpu_adasum_available` (testable without GPUs)."""
+    return bool(nccl_built and mpi_enabled and homogeneous and device_number == local_size
+                and groups * device_number == size and groups >= 1 and groups & (groups - 1) == 0)
+
+
 @_graph_safe
 def native_adasum_allreduce(tensors, process_set=None, hierarchical_gpu=False):
     """Horovod's native Adasum of each tensor (MPI launch, power-of-two worker count).
@@ -223,9 +247,9 @@ def native_adasum_allreduce(tensors, process_set=None, hierarchical_gpu=False):
     if not tensors:
         return []
     if not hierarchical_gpu:
-        return distributed.adasum_allreduce(tensors, process_set=process_set, device="/CPU:0")
+        return distributed.allreduce_op(tensors, "Adasum", process_set=process_set, device="/CPU:0")
     local_size = distributed.local_size()
-    reduced = distributed.adasum_allreduce(tensors, process_set=process_set)
+    reduced = distributed.allreduce_op(tensors, "Adasum", process_set=process_set)
     return [r / tf.cast(local_size, r.dtype) for r in reduced]
 
 
@@ -239,7 +263,7 @@ def resolve_backend(backend=AUTO, process_set=None):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != AUTO:
         return backend
-    native = process_set is None and distributed.native_adasum_available(distributed.size())
+    native = process_set is None and native_adasum_available(distributed.size())
     return NATIVE if native else EXACT
 
 
