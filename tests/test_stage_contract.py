@@ -10,6 +10,7 @@ from keras_boost import GradientCentralization, GradientFreeze
 from keras_boost.stages.freeze import FreezeStage
 from keras_boost.stages.fused_update import FusedUpdate
 from keras_boost.stages.nan_guard import NanGuard
+from keras_boost.core.rewrite import ModelRewrite
 from keras_boost.step import Stage, registry
 from tests.helpers import classification_data, mlp, weights
 
@@ -161,3 +162,51 @@ def test_builtin_gradient_clipping_matches_keras_global_clipnorm():
     assert max(np.max(np.abs(a - b)) for a, b in zip(clipped, plain)) > 1e-2  # the clip was active
     with pytest.raises(ValueError, match="gradient_clipping"):
         mlp(BoostModel, seed=0).compile(optimizer="sgd", loss="mse", gradient_clipping=-1.0)
+
+
+class _WiderHead(ModelRewrite):
+    """A model rewrite written from outside: the output doubled by a layer of its own, at any level."""
+
+    feature = "test_wider_head"
+    attribute = "wider_head_report"
+
+    def applies(self, boost_config):
+        return boost_config is not None
+
+    def rewrite(self, model, boost_config):
+        outputs = keras.layers.Rescaling(2.0, name="doubled")(model.outputs[0])
+        return keras.Model(model.inputs, outputs)
+
+    def record(self, rewritten):
+        return "doubled"
+
+    def report(self, model):
+        return {"doubled": model.wider_head_report is not None}
+
+
+@pytest.fixture
+def wider_head_registered():
+    rewrite = registry.register_rewrite(_WiderHead())
+    yield rewrite
+    registry._REWRITES.remove(rewrite)
+
+
+def test_a_registered_model_rewrite_runs_when_a_boost_model_is_made(wider_head_registered):
+    x, _ = classification_data(n=8)
+    plain = mlp()
+    rewritten = mlp(model_class=lambda i, o: BoostModel(i, o, boost_level="O0"))
+    assert rewritten.wider_head_report == "doubled" and plain.wider_head_report is None
+    np.testing.assert_allclose(rewritten.predict(x, verbose=0), 2.0 * plain.predict(x, verbose=0), rtol=1e-6)
+    assert wider_head_registered.report(rewritten) == {"doubled": True}
+
+    class Subclassed(BoostModel):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="Subclassed is a subclassed model"):
+        Subclassed(boost_level="O0")
+
+
+def test_register_rewrite_rejects_what_is_not_a_rewrite():
+    with pytest.raises(TypeError, match=r"`rewrite` must be a ModelRewrite instance, got <class"):
+        registry.register_rewrite(_WiderHead)
