@@ -11,7 +11,7 @@ it, see the weights being trained.
 
 The average and its count are boost state: `BackupAndRestore` resumes them, a `.keras` file
 holds them, and every worker holds the same ones (the weights they average are identical,
-and the recomputed BatchNorm statistics are averaged across workers). The compiled step is
+and the recomputed BatchNorm statistics are the mean over every worker's batches). The compiled step is
 unchanged: the averaging runs between epochs, the BatchNorm pass after `fit`.
 
 MindSpore's `mindspore.boost` has no such feature; PyTorch Lightning's
@@ -172,8 +172,8 @@ class _AverageAtEpochEnd(keras.callbacks.Callback):
 
 def recompute_batchnorm_statistics(model, batches):
     """Sets every trainable BatchNormalization's moving mean and variance to their averages over
-    the batch statistics of `batches` (inputs, in training mode), as PyTorch's `update_bn`; averaged
-    across workers. Returns the number of batches this worker read (0: no such layer, nothing read)."""
+    the batch statistics of `batches` (inputs, in training mode), as PyTorch's `update_bn`, over
+    every worker's batches (a worker with fewer weighs less). Returns the number of batches this worker read (0: no such layer, nothing read)."""
     layers = [layer for layer in _keras_compat.flatten_layers(model)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.built and layer.trainable]
     if not layers:
@@ -194,11 +194,10 @@ def recompute_batchnorm_statistics(model, batches):
     finally:
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum
-    count = int(count)
-    means = [s / max(count, 1) for s in sums]
-    if distributed.size() > 1:
-        means = distributed.grouped_allreduce(means, average=True)
-    if count:
-        for variable, value in zip(statistics, means):
-            variable.assign(value)
-    return count
+    local, count = int(count), tf.cast(count, sums[0].dtype)
+    if distributed.size() > 1:  # every worker's batches weigh the same, whatever its shard's length
+        *sums, count = distributed.grouped_allreduce([*sums, count], average=False)
+    if float(count):
+        for variable, total in zip(statistics, sums):
+            variable.assign(total / count)
+    return local
