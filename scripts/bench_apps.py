@@ -127,16 +127,9 @@ def application(family, input_shape=None, classes=10):
 
     input_shape = input_shape or INPUT_SHAPES.get(family, (32, 32, 3))
     if family == "mnist_convnet":  # keras-io's examples/vision/mnist_convnet.py, as written there
-        return keras.Sequential([
-            keras.Input(shape=input_shape),
-            keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Flatten(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(classes, activation="softmax"),
-        ])
+        from keras_boost.app.recipes import mnist_convnet
+
+        return mnist_convnet(input_shape, classes)
     if family == "text_transformer":
         return text_transformer(input_shape[0], classes)
     if family == "demo":
@@ -155,46 +148,11 @@ def application(family, input_shape=None, classes=10):
 
 def text_transformer(maxlen, classes):
     """keras-io's examples/nlp/text_classification_with_transformer.py, as written there
-    (its `TransformerBlock` and `TokenAndPositionEmbedding`: MultiHeadAttention, LayerNorm,
-    two Embedding tables, whose gradients are `tf.IndexedSlices`), `classes` outputs."""
-    import keras
-    from keras import layers, ops
+    (`keras_boost.app.recipes.text_transformer`: MultiHeadAttention, LayerNorm, two Embedding
+    tables, whose gradients are `tf.IndexedSlices`), `classes` outputs."""
+    from keras_boost.app.recipes import text_transformer as keras_io_transformer
 
-    class TransformerBlock(layers.Layer):
-        def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
-            super().__init__()
-            self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-            self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
-            self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-            self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-            self.dropout1 = layers.Dropout(rate)
-            self.dropout2 = layers.Dropout(rate)
-
-        def call(self, inputs):
-            attn_output = self.dropout1(self.att(inputs, inputs))
-            out1 = self.layernorm1(inputs + attn_output)
-            ffn_output = self.dropout2(self.ffn(out1))
-            return self.layernorm2(out1 + ffn_output)
-
-    class TokenAndPositionEmbedding(layers.Layer):
-        def __init__(self, maxlen, vocab_size, embed_dim):
-            super().__init__()
-            self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-            self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-        def call(self, x):
-            positions = self.pos_emb(ops.arange(start=0, stop=ops.shape(x)[-1], step=1))
-            return self.token_emb(x) + positions
-
-    embed_dim, num_heads, ff_dim = 32, 2, 32
-    inputs = layers.Input(shape=(maxlen,))
-    x = TokenAndPositionEmbedding(maxlen, VOCABULARY, embed_dim)(inputs)
-    x = TransformerBlock(embed_dim, num_heads, ff_dim)(x)
-    x = layers.GlobalAveragePooling1D()(x)
-    x = layers.Dropout(0.1)(x)
-    x = layers.Dense(20, activation="relu")(x)
-    x = layers.Dropout(0.1)(x)
-    return keras.Model(inputs=inputs, outputs=layers.Dense(classes, activation="softmax")(x))
+    return keras_io_transformer(maxlen=maxlen, vocab_size=VOCABULARY, classes=classes)
 
 
 def sample_inputs(family, n, rng):

@@ -33,7 +33,7 @@ from keras_boost import MINDSPORE_DEFAULTS, BoostModel
 from keras_boost.graph import less_bn
 from keras_boost.app.data import load_fashion_mnist
 from keras_boost.app.demo_net import demo_resnet
-from keras_boost.app.training import to_rgb32
+from keras_boost.app.recipes import mnist_convnet as convnet, to_rgb32
 
 # The diagnostics vary MindSpore's O1, as docs/benchmarks.md records them, whatever keras_boost's defaults are.
 MS = MINDSPORE_DEFAULTS
@@ -60,16 +60,6 @@ VARIANTS["O0-swa"] = ("O0", None)
 VARIANTS["O0-swa-last"] = ("O0", None)
 COMPILE = {"O0-swa": {"swa": 0.75},
            "O0-swa-last": {"swa": -1}}  # the last epoch alone: SWA's BatchNorm pass without an average
-
-
-def convnet():
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(), keras.layers.Dropout(0.5),
-        keras.layers.Dense(10, activation="softmax"),
-    ], name="mnist_convnet")
 
 
 def mobilenet():

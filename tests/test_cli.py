@@ -87,16 +87,19 @@ def test_train_two_workers(tmp_path):
 def test_bench_writes_table_and_plot(tmp_path):
     table, plot, raw = tmp_path / "bench.md", tmp_path / "bench.png", tmp_path / "runs.jsonl"
     args = ["bench", "--dataset", "synthetic", "--train-samples", "256", "--epochs", "2", "--batch-size", "32",
-            "--steps-per-epoch", "2", "--levels", "O0", "O1", "--table", str(table), "--plot", str(plot),
-            "--raw", str(raw)]
+            "--steps-per-epoch", "2", "--levels", "O0", "O1", "O0:mixed_bfloat16", "--table", str(table),
+            "--plot", str(plot), "--raw", str(raw)]
     result = keras_boost(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     text = table.read_text()
     assert "| O0 |" in text and "| O1 |" in text and "batchnorms_removed=5 of 9" in text
+    assert "| O0:mixed_bfloat16 |" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = [json.loads(line) for line in raw.read_text().splitlines()]
-    assert [r["level"] for r in runs] == ["O0", "O1"]  # the levels took turns, one line per run
-    assert all(len(r["accuracies"]) == 2 and len(r["epoch_times"]) == 2 for r in runs)
+    assert [r["level"] for r in runs] == ["O0", "O1", "O0:mixed_bfloat16"]  # the levels took turns, one line each
+    assert all(len(r["accuracies"]) == 2 and len(r["epoch_times"]) == 2 and len(r["losses"]) == 2 for r in runs)
+    # a level given with a precision runs in it; O0 alone stays float32 whatever the machine
+    assert [r["report"]["precision"] for r in runs][::2] == ["float32", "mixed_bfloat16"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -104,7 +107,9 @@ def test_bench_writes_table_and_plot(tmp_path):
     (["train", "--lr", "-1"], "expected a positive number"),
     (["train", "--level", "O3"], "invalid choice"),
     (["train", "--model", "vgg"], "invalid choice"),
-    (["bench", "--levels", "O5"], "invalid choice"),
+    (["bench", "--levels", "O5"], "a level is one of ('O0', 'O1', 'O2')"),
+    (["bench", "--levels", "O1:float8"], "got 'O1:float8'"),
+    (["bench", "--levels", "O1:"], "got 'O1:'"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments(args, message, capsys):
@@ -158,18 +163,42 @@ def test_bench_summary_takes_medians_over_runs_and_the_target_from_the_first_lev
 
     def run(level, seed, epochs, accuracies, step):
         return {"level": level, "seed": seed, "epoch_times": epochs, "accuracies": accuracies, "first_step": epochs[0] / 2,
-                "step_time": step, "report": {"level": level}}
+                "step_time": step, "steps_per_epoch": 10, "report": {"level": level}}
 
-    runs = [run("O0", 0, [10, 4, 6], [0.5, 0.806, 0.81], 0.2), run("O1", 0, [12, 3, 3], [0.5, 0.806, 0.81], 0.1),
-            run("O0", 1, [10, 4, 4], [0.5, 0.6, 0.81], 0.2), run("O1", 1, [12, 2, 2], [0.5, 0.6, 0.70], 0.1)]
+    runs = [run("O0", 0, [10, 4, 6], [0.5, 0.806, 0.82], 0.2), run("O1", 0, [12, 3, 3], [0.5, 0.83, 0.83], 0.1),
+            run("O0", 1, [10, 4, 4], [0.5, 0.6, 0.812], 0.2), run("O1", 1, [12, 2, 2], [0.5, 0.805, 0.82], 0.1)]
     target, rows = summarize(runs, ["O0", "O1"])
-    assert target == pytest.approx(0.805)  # mean final accuracy of O0 (0.81) - 0.5 pp
+    assert target == pytest.approx(0.816)  # the mean final accuracy of O0's runs
     o0, o1 = rows
     assert o0["epoch"] == 4.5 and o1["epoch"] == 2.5  # medians of the per-run medians after epoch 1: [5, 4], [3, 2]
-    assert o0["to_target"] == 16 and o0["reached"] == 2  # reached after 10+4 = 14 s and 10+4+4 = 18 s
-    assert o1["to_target"] is None and o1["reached"] == 1  # the seed-1 run of O1 never reached 0.805
+    # the mean curve: O0 reaches its own mean at its last epoch (10+4+5 s); alone, only seed 0 does (after 20 s)
+    assert o0["to_target"] == pytest.approx(19) and o0["to_target_runs"] == [20, None] and o0["reached"] == 1
+    # O1's mean accuracy after 2 epochs is 0.8175, after 12 + 2.5 s on average, 20 steps; alone 15 s and 16 s
+    assert o1["to_target"] == pytest.approx(14.5) and o1["steps_to_target"] == 20 and o1["to_target_runs"] == [15, 16]
+    assert o0["to_near_runs"] == [20, 18] and o0["near_reached"] == 2 and o1["to_near"] == pytest.approx(14.5)
     table = markdown_table(runs, ["O0", "O1"])
-    assert "not reached in 1 of 2 runs" in table and "| O1 | 2.5 (2.0-3.0) |" in table and "2.00x" in table
+    assert "| O1 | 2.5 (2.0-3.0) |" in table
+    assert "| 19.0 (20.0; 1 of 2 runs) | 30 | 1.00x | 19.0 (18.0-20.0) | 1.00x |" in table
+    assert "| 14.5 (15.0-16.0) | 20 | 1.31x | 14.5 (15.0-16.0) | 1.31x |" in table
+
+
+def test_time_to_target_is_read_from_the_mean_curve_of_the_runs():
+    from keras_boost.app.bench import mean_curve_time
+
+    first = {"epoch_times": [10, 6], "accuracies": [0.8, 0.8]}  # alone at the target after its first epoch
+    second = {"epoch_times": [12, 4], "accuracies": [0.5, 0.8]}
+    # the mean accuracy is 0.65, then 0.8: the curve reaches 0.75 after the second epoch, 11 + 5 s on average
+    assert mean_curve_time([first, second], 0.75) == (16, 2)
+    assert mean_curve_time([first, second], 0.81) == (None, None)
+
+
+def test_bench_level_with_a_precision_runs_the_level_in_it():
+    from keras_boost.app.bench import parse_level
+
+    assert parse_level("O1") == ("O1", None) and parse_level("O1:float32") == ("O1", "float32")
+    assert parse_level("O0:mixed_bfloat16") == ("O0", "mixed_bfloat16")
+    with pytest.raises(ValueError, match="got 'O3:float32'"):
+        parse_level("O3:float32")
 
 
 def test_the_launcher_passes_its_output_and_status_through(capfd):

@@ -85,6 +85,16 @@ def positive_float(text):
     return value
 
 
+def _level_spec(text):
+    from keras_boost.app.bench import parse_level
+
+    try:
+        parse_level(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _hosts_list(text):
     try:
         return launch.parse_hosts(text)
@@ -153,7 +163,7 @@ def _check_config(parser, args):
     try:
         config = read_config(args.config)
         for level in getattr(args, "levels", None) or [getattr(args, "level", "O0")]:
-            AutoBoost(level, config)
+            AutoBoost(level.partition(":")[0], config)
     except OSError as error:
         problem = f"cannot read {args.config!r}: {error.strerror or error}"
     except (ValueError, TypeError) as error:
@@ -212,15 +222,21 @@ def _add_training_options(parser, epochs):
     from keras_boost.app.training import DATASETS, MODELS
     from keras_boost.step import registry
 
-    parser.add_argument("--model", default="demo", choices=MODELS, help="demo (residual CNN) or a keras.applications "
-                        "family (trained from scratch on 32x32x3 copies of the images)")
+    parser.add_argument("--model", default="demo", choices=MODELS, help="demo (residual CNN), a keras.applications "
+                        "family (trained from scratch on 32x32x3 copies of the images) or a keras-io example "
+                        "with its own recipe: mnist_convnet, timeseries, xception, transformer "
+                        "(keras_boost/app/recipes.py)")
     parser.add_argument("--dataset", default="fashion_mnist", choices=DATASETS,
                         help="fashion_mnist (Debian package dataset-fashion-mnist) or synthetic")
     parser.add_argument("--epochs", type=positive_int_arg, default=epochs)
-    parser.add_argument("--batch-size", type=positive_int_arg, default=64, help="per-worker batch size")
-    parser.add_argument("--lr", type=positive_float, default=0.05, help="learning rate of SGD, momentum 0.9")
+    parser.add_argument("--batch-size", type=positive_int_arg, default=None, help="per-worker batch size (default: "
+                        "the model's recipe: 64 for demo and the keras.applications families)")
+    parser.add_argument("--lr", type=positive_float, default=None, help="learning rate of the recipe's optimizer "
+                        "(default: the recipe's; demo and keras.applications: SGD 0.05, momentum 0.9)")
     parser.add_argument("--steps-per-epoch", type=positive_int_arg, default=None, help="limit batches per epoch")
     parser.add_argument("--train-samples", type=positive_int_arg, default=None, help="use the first N training samples")
+    parser.add_argument("--test-samples", type=positive_int_arg, default=None, help="test on the first N test samples "
+                        "(default all)")
     parser.add_argument("--config", default=None, help="boost configuration JSON file (AutoBoost sections and keys)")
     parser.add_argument("--precision", choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"], default="auto",
                         help="auto (default): float32 at O0; at O1/O2 on GPUs mixed_bfloat16 (compute "
@@ -273,7 +289,9 @@ def build_parser():
 
     bench = sub.add_parser("bench", help="train at several levels side by side; write a Markdown table and a PNG")
     _add_training_options(bench, epochs=3)
-    bench.add_argument("--levels", nargs="+", choices=["O0", "O1", "O2"], default=["O0", "O1", "O2"])
+    bench.add_argument("--levels", nargs="+", type=_level_spec, default=["O0", "O1", "O2"], metavar="LEVEL[:PRECISION]",
+                       help="levels to compare, the first the reference (default O0 O1 O2); a precision after a "
+                       "colon runs that level in it, e.g. O1:float32 beside O1 (--precision's choice)")
     bench.add_argument("--table", default="bench.md", help="Markdown table output (default bench.md)")
     bench.add_argument("--plot", default="bench.png", help="PNG plot of test accuracy against wall time")
     bench.add_argument("--rounds", type=positive_int_arg, default=1, help="repeat every level this many times, "
@@ -308,6 +326,10 @@ def main(argv=None):
     _hosts_from_slurm(args)
     _resolve_hosts(parser, args)
     _check_config(parser, args)
+    if args.command in ("train", "bench") and args.batch_size is None:
+        from keras_boost.app.recipes import recipe
+
+        args.batch_size = recipe(args.model).batch_size
     commands = {"info": lambda: _info(args), "train": lambda: _train(args, argv), "bench": lambda: _bench(args, argv)}
     return commands[args.command]()
 

@@ -13,22 +13,14 @@ from keras_boost.config import read_config
 from keras_boost.fit import callbacks as boost_callbacks
 from keras_boost.fit.callbacks import rank_zero_only
 from keras_boost.model import BoostModel
-from keras_boost.app.demo_net import demo_resnet
+from keras_boost.app.recipes import MODELS, recipe, to_rgb32  # noqa: F401  (to_rgb32: the scripts' import)
 from keras_boost.precision import resolve_precision
 from keras_boost.step import registry
 
-APPLICATIONS = {
-    "resnet50": "ResNet50",
-    "resnet101": "ResNet101",
-    "resnet50v2": "ResNet50V2",
-    "mobilenetv2": "MobileNetV2",
-    "densenet121": "DenseNet121",
-}
-MODELS = ("demo", *APPLICATIONS)
 DATASETS = ("fashion_mnist", "synthetic")
 
 
-def load_dataset(name, train_samples=None, seed=0):
+def load_dataset(name, train_samples=None, seed=0, test_samples=None):
     """(x_train, y_train), (x_test, y_test) for `name` in {"fashion_mnist", "synthetic"}."""
     if name == "fashion_mnist":
         train, test = data.load_fashion_mnist("train"), data.load_fashion_mnist("test")
@@ -39,24 +31,15 @@ def load_dataset(name, train_samples=None, seed=0):
         raise ValueError(f"dataset must be one of {DATASETS}, got {name!r}")
     if train_samples:
         train = tuple(a[:train_samples] for a in train)
+    if test_samples:
+        test = tuple(a[:test_samples] for a in test)
     return train, test
 
 
-def to_rgb32(images):
-    """28x28x1 images as the 32x32x3 input keras.applications models accept (zero pad, 3 channels)."""
-    padded = np.pad(images, ((0, 0), (2, 2), (2, 2), (0, 0)))
-    return np.repeat(padded, 3, axis=-1)
-
-
 def build_model(name, seed=0):
-    """The functional model `name` (see MODELS) for 28x28 grey images, 10 classes, logits out."""
+    """The functional model `name` (see `keras_boost.app.recipes.MODELS`), seeded, untrained."""
     keras.utils.set_random_seed(seed)
-    if name == "demo":
-        return demo_resnet(model_class=keras.Model)
-    if name not in APPLICATIONS:
-        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
-    factory = getattr(keras.applications, APPLICATIONS[name])
-    return factory(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+    return recipe(name).build()
 
 
 def _boost_config(args, batches):
@@ -94,9 +77,10 @@ def prepare(args):
                      process_sets=needs_process_sets(args) or None)
     keras.config.set_dtype_policy(resolve_precision(args.precision, args.level))
     rank, size = distributed.rank(), distributed.size()
-    (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed)
-    if args.model != "demo":
-        x_train, x_test = to_rgb32(x_train), to_rgb32(x_test)
+    (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.train_samples, args.seed,
+                                                             getattr(args, "test_samples", None))
+    model_recipe = recipe(args.model)
+    x_train, x_test = model_recipe.inputs(x_train), model_recipe.inputs(x_test)
     order = np.random.default_rng(args.seed).permutation(len(x_train))
     x_train, y_train = data.shard((x_train[order], y_train[order]), rank, size)
     x_test, y_test = data.shard((x_test, y_test), rank, size)
@@ -105,8 +89,8 @@ def prepare(args):
     model = BoostModel(base.inputs, base.outputs, name=base.name, boost_level=args.level,
                        boost_config=_boost_config(args, args.epochs * steps))
     model.compile(
-        optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=model_recipe.optimizer(args.lr or model_recipe.lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_recipe.from_logits),
         metrics=["accuracy"],
         **cli_options(args),
     )

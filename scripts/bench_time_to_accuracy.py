@@ -1,0 +1,118 @@
+"""Time to accuracy, model by model: `keras-boost bench` over each model's recipe, with several seeds.
+
+For each model (keras_boost/app/recipes.py) this runs
+
+    keras-boost bench --model M --levels O0 O1 O1:float32 --seeds 0 1 2 --epochs E --train-samples N ...
+
+(one process per run, the levels taking turns, seed after seed) and keeps its table, its plot
+and every run's raw data (epoch times, test accuracy after each epoch, the boost report) in
+--out: M.md, M.png, M.jsonl. The target is O0's final test accuracy, the mean over its seeds;
+a level's time to it is the training time to the end of the first epoch that reached it.
+Then it writes summary.md: per model, O1's time to O0's accuracy against O0's, with the runs
+that reached it, and each level's final accuracy, mean and range over the seeds.
+
+    python scripts/bench_time_to_accuracy.py --out docs/time_to_accuracy
+    python scripts/bench_time_to_accuracy.py --models demo --np 2 --levels O0 O1 O2 --out docs/time_to_accuracy
+    python scripts/bench_time_to_accuracy.py --summary-only --out docs/time_to_accuracy
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import bench_common  # noqa: F401  (sys.path and log level)
+
+from keras_boost.app import bench
+
+# model: training samples, epochs, test samples, and where the run sets them: the batch size (default:
+# the recipe's) and the levels (default: --levels). The keras.applications ResNet50 and the small
+# Xception have many BatchNorms, whose moving statistics (momentum 0.99) leave O0 at chance on the test
+# set for hundreds of steps: their budgets give them enough steps, and their runs compare O0 and O1 only.
+BUDGETS = {
+    "demo": dict(samples=10000, epochs=6, test=5000),
+    "mnist_convnet": dict(samples=10000, epochs=8, test=5000),
+    "timeseries": dict(samples=10000, epochs=6, test=5000),
+    "transformer": dict(samples=6000, epochs=6, test=5000),
+    "xception": dict(samples=8000, epochs=4, test=2000, batch=32, levels=["O0", "O1"]),
+    "resnet50": dict(samples=4000, epochs=5, test=2000, batch=32, levels=["O0", "O1"]),
+}
+
+
+def run_model(model, args):
+    budget = BUDGETS[model]
+    samples, epochs, test_samples = budget["samples"], budget["epochs"], budget["test"]
+    levels = args.levels or budget.get("levels", ["O0", "O1", "O1:float32"])
+    name = f"{model}-{args.np}w" if args.np > 1 else model
+    paths = {kind: os.path.join(args.out, f"{name}.{kind}") for kind in ("md", "png", "jsonl")}
+    command = [sys.executable, "-m", "keras_boost.app.cli", "bench", "--model", model, "--levels", *levels,
+               "--seeds", *map(str, args.seeds), "--epochs", str(args.epochs or epochs),
+               "--train-samples", str(samples), "--test-samples", str(test_samples),
+               "--table", paths["md"], "--plot", paths["png"], "--raw", paths["jsonl"],
+               "--run-timeout", str(args.run_timeout)]
+    if "batch" in budget:
+        command += ["--batch-size", str(budget["batch"])]
+    if args.np > 1:
+        command += ["--np", str(args.np)]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True)
+
+
+def summary_rows(raw_path):
+    with open(raw_path) as handle:
+        runs = [json.loads(line) for line in handle if line.strip()]
+    levels = list(dict.fromkeys(r["level"] for r in runs))
+    target, rows = bench.summarize(runs, levels)
+    return runs, target, rows
+
+
+def summary(out):
+    """summary.md from every model's raw runs; each model's table and plot written again from them."""
+    lines = ["| model | level | runs | epoch after the first (s) | time to O0's accuracy (s) | speed-up | "
+             "runs that reached it alone | time to O0's - 0.5 pp: speed-up | final test accuracy, mean (range) | "
+             "vs O0 (pp) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted(f[:-6] for f in os.listdir(out) if f.endswith(".jsonl")):
+        runs, target, rows = summary_rows(os.path.join(out, f"{name}.jsonl"))
+        levels = [row["level"] for row in rows]
+        with open(os.path.join(out, f"{name}.md"), "w") as handle:
+            handle.write(bench.markdown_table(runs, levels) + "\n")
+        bench.plot(runs, levels, os.path.join(out, f"{name}.png"))
+        base = rows[0]
+        for row in rows:
+            to_target = f"{row['to_target']:.1f}" if row["to_target"] else "not reached"
+            speedup = f"{base['to_target'] / row['to_target']:.2f}x" if row["to_target"] and base["to_target"] else "-"
+            near = f"{base['to_near'] / row['to_near']:.2f}x" if row["to_near"] and base["to_near"] else "-"
+            finals = row["accuracies"]
+            lines.append(f"| {name} | {row['level']} | {row['runs']} | {row['epoch']:.2f} | {to_target} | {speedup} | "
+                         f"{row['reached']} of {row['runs']} | {near} | {100 * statistics.mean(finals):.2f}% "
+                         f"({100 * min(finals):.2f}-{100 * max(finals):.2f}) | "
+                         f"{100 * (row['accuracy'] - base['accuracy']):+.2f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as handle:
+        handle.write(text)
+    return text
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(BUDGETS), default=list(BUDGETS))
+    parser.add_argument("--levels", nargs="+", default=None, help="default: O0 O1 O1:float32, or the model's own")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=None, help="every model's epochs (default: its budget)")
+    parser.add_argument("--np", type=int, default=1)
+    parser.add_argument("--run-timeout", type=int, default=1800)
+    parser.add_argument("--out", default="docs/time_to_accuracy")
+    parser.add_argument("--summary-only", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if not args.summary_only:
+        for model in args.models:
+            run_model(model, args)
+    print(summary(args.out))
+
+
+if __name__ == "__main__":
+    main()
