@@ -153,7 +153,10 @@ def test_without_a_removed_batchnorm_the_level_adds_no_fn_head_no_centralization
     model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[groups])
     # both off before the first step is traced; nothing left to time
     assert not model.boost_step.stage("gradient_centralization").is_on() and not model.boost_step.stage("gradient_freeze").is_on()
-    assert groups.groups == [0] * 48 and model.train_function.traced_groups() == [0]
+    # nothing of freezing is left in the step: Keras' own train function runs it, one group
+    from keras_boost.step.dispatch import BranchTrainFunction
+
+    assert groups.groups == [0] * 48 and not isinstance(model.train_function, BranchTrainFunction)
     assert model.self_measurement is None
     out = capsys.readouterr().out
     assert out.count("O1's gradient_freeze switched off: LessBN removed no BatchNormalization layer") == 1, out

@@ -131,13 +131,15 @@ def mean_curve_time(runs, target):
     The curve is, epoch by epoch, the mean over the runs of the test accuracy and of the
     training time so far; so the first level reaches its own mean final accuracy by its
     last epoch at the latest, and a level is compared on the same footing (each run
-    alone reaches the mean in only some of them). None if the curve never reaches it.
+    alone reaches the mean in only some of them). Accuracies within 1e-6 count as equal
+    (float32 metrics: two levels with the same mean may differ in the last bits). None if
+    the curve never reaches it.
     """
     epochs = min(len(r["accuracies"]) for r in runs)
     elapsed = 0.0
     for epoch in range(epochs):
         elapsed += statistics.fmean(r["epoch_times"][epoch] for r in runs)
-        if statistics.fmean(r["accuracies"][epoch] for r in runs) >= target - 1e-9:
+        if statistics.fmean(r["accuracies"][epoch] for r in runs) >= target - 1e-6:
             return elapsed, epoch + 1
     return None, None
 

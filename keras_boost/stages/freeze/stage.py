@@ -132,6 +132,10 @@ class FreezeStage(Stage):
         return [list(branch.indices) for branch in self.plan.branches]
 
     def select_branch(self):
+        if self.switch is not None and not self.is_on():
+            # Switched off as the step was built (LessBN removed nothing): the step has no
+            # freeze groups to choose from, so Keras' own train function runs it.
+            return None
         return self.group_indices, self.current_group
 
     def after_update(self):
