@@ -9,8 +9,7 @@ Fashion-MNIST (Debian's package; nothing is downloaded) standing in for their da
 - `timeseries`: examples/timeseries/timeseries_classification_from_scratch.py (three Conv1D
   with BatchNorm, global average pooling, softmax; Adam, batch 32) on each image read as a
   series of 28 steps (its rows) of 28 values, where the page reads FordA's 500-step series
-  of one value (read as one 784-step series, the images stayed near chance on the test set
-  within a few epochs);
+  of one value;
 - `xception`: examples/vision/image_classification_from_scratch.py (the small Xception:
   separable convolutions, residual 1x1 convolutions, BatchNorms, Dropout, a logits Dense; Adam
   3e-4), at 28x28x1 where the page trains 180x180x3 photographs;
