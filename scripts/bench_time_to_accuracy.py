@@ -7,9 +7,10 @@ For each model (keras_boost/app/recipes.py) this runs
 (one process per run, the levels taking turns, seed after seed) and keeps its table, its plot
 and every run's raw data (epoch times, test accuracy after each epoch, the boost report) in
 --out: M.md, M.png, M.jsonl. The target is O0's final test accuracy, the mean over its seeds;
-a level's time to it is the training time to the end of the first epoch that reached it.
-Then it writes summary.md: per model, O1's time to O0's accuracy against O0's, with the runs
-that reached it, and each level's final accuracy, mean and range over the seeds.
+a level's time to it is the training time to the end of the epoch where the mean of its seeds'
+accuracy curves first reached it. Then it writes summary.md (per model and level: the time to
+O0's accuracy against O0's, the runs that reached it alone, the final accuracy, mean and range
+over the seeds) and levels.md (the tables of docs/auto_boost.md and docs/benchmarks.md).
 
     python scripts/bench_time_to_accuracy.py --out docs/time_to_accuracy
     python scripts/bench_time_to_accuracy.py --models demo --np 2 --levels O0 O1 O2 --out docs/time_to_accuracy
@@ -39,6 +40,11 @@ BUDGETS = {
     "xception": dict(samples=8000, epochs=4, test=2000, batch=32, levels=["O0", "O1"]),
     "resnet50": dict(samples=4000, epochs=5, test=2000, batch=32, levels=["O0", "O1"]),
 }
+
+
+# the order of the models in levels.md (the tables of docs/auto_boost.md and docs/benchmarks.md)
+TABLE_ORDER = ("demo", "resnet50", "xception", "mnist_convnet", "timeseries", "transformer", "demo-2w",
+               "demo-2w-adasum")
 
 
 def run_model(model, args):
@@ -96,6 +102,44 @@ def summary(out):
     return text
 
 
+def level_tables(out):
+    """The two tables of docs/auto_boost.md and docs/benchmarks.md ("Mixed precision on CPUs") from the raw runs:
+    each level against O0 per model, and O1 in mixed_bfloat16 against O1 in float32."""
+    levels_lines = ["| model | runs | O0 final accuracy, mean (range) | level | final accuracy (vs O0) | "
+                    "time to O0's accuracy | to 0.5 pp below | per epoch |", "|---|---|---|---|---|---|---|---|"]
+    precision_lines = ["| model | O1 (mixed_bfloat16): epoch after the first | to O0's accuracy | final | "
+                       "O1 in float32: epoch | to O0's accuracy | final |", "|---|---|---|---|---|---|---|"]
+
+    def spread(finals):
+        return f"{100 * statistics.mean(finals):.2f}% ({100 * min(finals):.2f}–{100 * max(finals):.2f})"
+
+    def ratio(base, row, key):
+        return f"{base[key] / row[key]:.2f}×" if row[key] and base[key] else "not reached"
+
+    for name in TABLE_ORDER:
+        path = os.path.join(out, f"{name}.jsonl")
+        if not os.path.exists(path):
+            continue
+        _, _, rows = summary_rows(path)
+        base = rows[0]
+        for row in rows[1:]:
+            to_target = ratio(base, row, "to_target")
+            levels_lines.append(
+                f"| {name} | {row['runs']} | {spread(base['accuracies'])} | {row['level']} | "
+                f"{spread(row['accuracies'])}, {100 * (row['accuracy'] - base['accuracy']):+.2f} pp | "
+                f"{'**' + to_target + '**' if row['to_target'] and base['to_target'] else to_target} | "
+                f"{ratio(base, row, 'to_near')} | {base['epoch'] / row['epoch']:.2f}× |")
+        by_level = {row["level"]: row for row in rows}
+        if "O1" in by_level and "O1:float32" in by_level:
+            cells = [f"{by_level[lv]['epoch']:.2f} s | {ratio(base, by_level[lv], 'to_target')} | "
+                     f"{100 * by_level[lv]['accuracy']:.2f}%" for lv in ("O1", "O1:float32")]
+            precision_lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(levels_lines) + "\n\n" + "\n".join(precision_lines) + "\n"
+    with open(os.path.join(out, "levels.md"), "w") as handle:
+        handle.write(text)
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(BUDGETS), default=list(BUDGETS))
@@ -112,6 +156,7 @@ def main():
         for model in args.models:
             run_model(model, args)
     print(summary(args.out))
+    print(level_tables(args.out))
 
 
 if __name__ == "__main__":
