@@ -7,14 +7,14 @@ and AdaSum really runs in O2 (together with freezing).
 
 Levels:
     O0: nothing.  O1: LessBN + FN head + gradient centralization + gradient freezing.
-    O2: O1 + AdaSum.
+    O2: O1 + AdaSum + an exponential moving average of the weights (keras_boost's).
 
 Configuration (a dict, or the path of a JSON file), with MindSpore's sections and keys:
 
     {"boost": {"mode": "auto" | "manual" | "enable_all" | "disable_all",
                "less_bn": bool, "grad_freeze": bool, "adasum": bool, "grad_accumulation": bool,
                "measure": bool, "fused_update": bool, "fused_batchnorm": bool,
-               "conv_matmul": bool},
+               "conv_matmul": bool, "ema": bool},
      "common": {"gradient_split_groups": None | [int, ...], "device_number": None | int},
      "less_bn": {"fn_flag": True, "gc_flag": True},
      "grad_freeze": {"param_groups": 4, "freeze_type": 0, "freeze_p": 0.7,
@@ -47,6 +47,9 @@ One-pixel convolutions as matrix products (keras_boost's; `"boost": {"conv_matmu
 default in the same cases): a convolution whose output is one pixel (an ImageNet network's last
 stages on 32x32 images) runs inside the step as one matrix product
 (`keras_boost.stages.conv_matmul`).
+Weight averaging (keras_boost's, Composer's EMA; `"boost": {"ema": True}` by default at O2):
+the step keeps an exponential moving average of the trainable weights, which validation,
+the epoch-end callbacks and the model after `fit` use (`keras_boost.stages.ema`).
 
 MindSpore's own documented configuration is accepted as it is: every section and key
 MindSpore reads is a valid key here. Its `dim_reduce` section (and the `dim_reduce` and
@@ -76,6 +79,7 @@ LEVELS = {
     "O1": {"less_bn": True, "grad_freeze": True, "adasum": False, "grad_accumulation": False},
     "O2": {"less_bn": True, "grad_freeze": True, "adasum": True, "grad_accumulation": False},
 }
+EMA_LEVELS = ("O2",)  # the levels whose models evaluate and end with the weights' moving average (stages/ema.py)
 MODES = ("auto", "manual", "enable_all", "disable_all")
 DEFAULTS = {
     "common": {"gradient_split_groups": None, "device_number": None},
@@ -127,7 +131,7 @@ def _check_keys(where, given, valid):
 _check_bool = check_bool
 
 
-_BOOST_OPTIONS = ("mode", "measure", "fused_update", "fused_batchnorm", "conv_matmul")  # the "boost" keys that are no feature switch
+_BOOST_OPTIONS = ("mode", "measure", "fused_update", "fused_batchnorm", "conv_matmul", "ema")  # the "boost" keys that are no feature switch
 
 
 class BoostConfig:
@@ -152,6 +156,8 @@ class BoostConfig:
             with TensorFlow's fused kernel (default: whether any feature is on).
         conv_matmul: whether the step's forward pass computes the convolutions whose output
             is one pixel as matrix products (default: whether any feature is on).
+        ema: whether the model keeps an exponential moving average of its weights, which
+            validation and the model after `fit` use (`keras_boost.stages.ema`; default: at O2).
 
     The schema (sections, keys, switches) is checked here; the values of each feature are
     checked by the stage they configure (`keras_boost.step.registry.validate_level`), which
@@ -177,6 +183,7 @@ class BoostConfig:
                                            boost.get("fused_batchnorm", any(self.features.values())))
         self.conv_matmul = _check_bool("boost_config['boost']['conv_matmul']",
                                        boost.get("conv_matmul", any(self.features.values())))
+        self.ema = _check_bool("boost_config['boost']['ema']", boost.get("ema", level in EMA_LEVELS))
         self.params = copy.deepcopy(DEFAULTS)
         for section, defaults in DEFAULTS.items():
             given = config.get(section, {})

@@ -15,13 +15,13 @@ EPOCHS = 4
 
 
 def boosted_model():
-    """Freezing (explicit schedule), accumulation 2, dynamic loss scaling and SWA from epoch 1, all on."""
+    """Freezing (explicit schedule), accumulation 2, dynamic loss scaling, the weights' EMA and SWA from epoch 1, all on."""
     model = mlp()
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     groups = [list(model.trainable_variables), list(model.trainable_variables[2:])]
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   loss_scale=DynamicLossScale(init_scale=2.0**6, scale_window=3), gradient_accumulation=2,
-                  gradient_freeze=FreezeOpt(optimizer, groups, [0, 1, 1, 0, 1]), swa=1)
+                  gradient_freeze=FreezeOpt(optimizer, groups, [0, 1, 1, 0, 1]), ema=0.9, swa=1)
     return model
 
 

@@ -19,6 +19,7 @@ def test_checkpoint_mid_window_resumes_bit_identically(tmp_path):
 def test_backup_and_restore_resumes_bit_identically(tmp_path):
     reference, resumed = resume_scenarios.backup_and_restore(str(tmp_path / "backup"))
     assert int(reference.boost_step.stage("swa").count.numpy()) == 3  # epochs 2-4 averaged, across the crash
+    assert int(reference.boost_step.stage("ema").count.numpy()) == 24  # every update's average, across the crash
     assert resume_scenarios.identical(reference, resumed)
     assert not os.path.exists(tmp_path / "backup")  # deleted when training ended
 

@@ -39,6 +39,7 @@ trace the branches still to come in the background while the first ones train.
 
 import contextlib
 import dataclasses
+import numbers
 
 import tensorflow as tf
 
@@ -104,6 +105,7 @@ class Stage:
     carries_votes = False  # a `reduce` owner: whether a scalar added to its list is averaged in the same collective
     switch = None  # a boolean tf.Variable once `add_switch` made one: the stage acts while it is True
     on_with_true = False  # whether `compile(<option>=True)` makes the stage with its defaults (`from_option`)
+    number_argument = None  # the constructor argument that `compile(<option>=<a number>)` sets (`from_option`)
 
     def build(self, context):
         """Creates the stage's state from `context` (eager, once)."""
@@ -282,8 +284,9 @@ class Stage:
     def from_option(cls, value, model):
         """The stage for `compile(<option>=value)`, or None when `value` switches it off.
 
-        None and False switch it off, a stage of this class is taken as it is, and True
-        makes `cls()` where the class sets `on_with_true`.
+        None and False switch it off, a stage of this class is taken as it is, True
+        makes `cls()` where the class sets `on_with_true`, and a number makes
+        `cls(<number_argument>=value)` where the class names that argument.
         """
         if value is None or value is False:
             return None
@@ -291,6 +294,8 @@ class Stage:
             return value
         if value is True and cls.on_with_true:
             return cls()
+        if cls.number_argument and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return cls(**{cls.number_argument: value})
         raise cls.bad_option(value)
 
     # What `compile(<option>=...)` takes besides a stage of the class, in words (for `bad_option`).

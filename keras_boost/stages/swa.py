@@ -50,6 +50,8 @@ class StochasticWeightAveraging(Stage):
                    "epoch index) or a `StochasticWeightAveraging`: the model ends as the average of the weights at "
                    "those epochs' ends, BatchNorm statistics recomputed for it.")
     option_values = "None, a bool, a float in [0, 1), an int >= 0"
+    on_with_true = True
+    number_argument = "start"
 
     def __init__(self, start=0.75, batchnorm_pass=True):
         if isinstance(start, bool) or not isinstance(start, numbers.Real):
@@ -70,18 +72,6 @@ class StochasticWeightAveraging(Stage):
         self.batchnorm_pass = batchnorm_pass
         self.average = None
         self.count = None
-
-    @classmethod
-    def from_option(cls, value, model):
-        if value is None or value is False:
-            return None
-        if isinstance(value, cls):
-            return value
-        if value is True:
-            return cls()
-        if isinstance(value, numbers.Real):
-            return cls(start=value)
-        raise cls.bad_option(value)
 
     @classmethod
     def add_cli_arguments(cls, groups):

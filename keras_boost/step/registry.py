@@ -186,6 +186,7 @@ BUILTIN = (
     ("adasum", "AdaSum", ()),
     ("compression", "GradientCompression", ()),
     ("hierarchical", "HierarchicalAllreduce", ()),
+    ("ema", "ExponentialMovingAverage", ()),
     ("swa", "StochasticWeightAveraging", ()),
 )
 # the default stages of single hooks, made when no other stage owns the hook
