@@ -70,10 +70,11 @@ from keras_boost.app.bench import steady_step  # noqa: F401 (the step statistic,
 from keras_boost.config import MINDSPORE_DEFAULTS
 
 FAMILIES = ("resnet50", "resnet50v2", "mobilenetv2", "densenet121", "efficientnetb0", "mnist_convnet", "demo",
-            "text_transformer")
+            "text_transformer", "timeseries")
 # keras.applications at 32x32x3; keras-io's mnist_convnet and keras_boost's demo network at 28x28x1;
+# keras-io's timeseries FCN on series of 28 steps of 28 values;
 # keras-io's text transformer on sequences of 200 tokens of a 20000-word vocabulary
-INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1), "text_transformer": (200,)}
+INPUT_SHAPES = {"mnist_convnet": (28, 28, 1), "demo": (28, 28, 1), "text_transformer": (200,), "timeseries": (28, 28)}
 VOCABULARY = 20000
 O1_NO_FREEZE = {"boost": {"mode": "manual", "less_bn": True, "grad_freeze": False}}
 # MindSpore's values where keras_boost's defaults differ, named so that these configurations
@@ -132,6 +133,10 @@ def application(family, input_shape=None, classes=10):
         return mnist_convnet(input_shape, classes)
     if family == "text_transformer":
         return text_transformer(input_shape[0], classes)
+    if family == "timeseries":  # keras-io's timeseries_classification_from_scratch.py (its FCN), 28 steps of 28 values
+        from keras_boost.app.recipes import timeseries_fcn
+
+        return timeseries_fcn(*input_shape, classes=classes)
     if family == "demo":
         from keras_boost.app.demo_net import demo_resnet
 

@@ -6,7 +6,8 @@ For each model (keras_boost/app/recipes.py) this runs
 
 (one process per run, the levels taking turns, seed after seed) and keeps its table, its plot
 and every run's raw data (epoch times, test accuracy after each epoch, the boost report) in
---out: M.md, M.png, M.jsonl. The target is O0's final test accuracy, the mean over its seeds;
+--out: M.md, M.png, M.jsonl. The levels of M.jsonl that a run does not run again keep their
+earlier runs (`--levels O2` adds O2 beside the O0 and O1 already there). The target is O0's final test accuracy, the mean over its seeds;
 a level's time to it is the training time to the end of the epoch where the mean of its seeds'
 accuracy curves first reached it. Then it writes summary.md (per model and level: the time to
 O0's accuracy against O0's, the runs that reached it alone, the final accuracy, mean and range
@@ -14,6 +15,7 @@ over the seeds) and levels.md (the tables of docs/auto_boost.md and docs/benchma
 
     python scripts/bench_time_to_accuracy.py --out docs/time_to_accuracy
     python scripts/bench_time_to_accuracy.py --models demo --np 2 --levels O0 O1 O2 --out docs/time_to_accuracy
+    python scripts/bench_time_to_accuracy.py --models demo --np 2 --levels O2 --config dn1.json --suffix adasum
     python scripts/bench_time_to_accuracy.py --summary-only --out docs/time_to_accuracy
 """
 
@@ -51,7 +53,7 @@ def run_model(model, args):
     budget = BUDGETS[model]
     samples, epochs, test_samples = budget["samples"], budget["epochs"], budget["test"]
     levels = args.levels or budget.get("levels", ["O0", "O1", "O1:float32"])
-    name = f"{model}-{args.np}w" if args.np > 1 else model
+    name = (f"{model}-{args.np}w" if args.np > 1 else model) + (f"-{args.suffix}" if args.suffix else "")
     paths = {kind: os.path.join(args.out, f"{name}.{kind}") for kind in ("md", "png", "jsonl")}
     command = [sys.executable, "-m", "keras_boost.app.cli", "bench", "--model", model, "--levels", *levels,
                "--seeds", *map(str, args.seeds), "--epochs", str(args.epochs or epochs),
@@ -62,13 +64,34 @@ def run_model(model, args):
         command += ["--batch-size", str(budget["batch"])]
     if args.np > 1:
         command += ["--np", str(args.np)]
+    if args.config:
+        command += ["--config", args.config]
+    earlier = _read_runs(paths["jsonl"]) if os.path.exists(paths["jsonl"]) else []
     print("$", " ".join(command[1:]), flush=True)
     subprocess.run(command, check=True)
+    kept = sorted(set(run["level"] for run in earlier) - set(levels))
+    if kept:
+        print(f"{name}: keeping the earlier runs of {kept}", flush=True)
+        runs = merge_runs(earlier, _read_runs(paths["jsonl"]), levels)
+        with open(paths["jsonl"], "w") as handle:
+            handle.writelines(json.dumps(run) + "\n" for run in runs)
+
+
+def merge_runs(earlier, new, levels):
+    """The `new` runs of `levels`, and the `earlier` runs of the levels not run again, ordered by
+    level as the earlier runs were (so their reference stays first), new levels after them."""
+    order = list(dict.fromkeys([run["level"] for run in earlier] + list(levels)))
+    kept = [run for run in earlier if run["level"] not in levels]
+    return sorted(kept + new, key=lambda run: order.index(run["level"]))
+
+
+def _read_runs(path):
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
 
 
 def summary_rows(raw_path):
-    with open(raw_path) as handle:
-        runs = [json.loads(line) for line in handle if line.strip()]
+    runs = _read_runs(raw_path)
     levels = list(dict.fromkeys(r["level"] for r in runs))
     target, rows = bench.summarize(runs, levels)
     return runs, target, rows
@@ -148,6 +171,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=None, help="every model's epochs (default: its budget)")
     parser.add_argument("--np", type=int, default=1)
     parser.add_argument("--run-timeout", type=int, default=1800)
+    parser.add_argument("--config", default=None, help="a boost configuration (JSON file) for every run")
+    parser.add_argument("--suffix", default=None, help="added to the files' names (demo-2w-SUFFIX.jsonl), "
+                        "for a run with --config beside the plain one")
     parser.add_argument("--out", default="docs/time_to_accuracy")
     parser.add_argument("--summary-only", action="store_true")
     args = parser.parse_args()

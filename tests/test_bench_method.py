@@ -146,3 +146,19 @@ def test_every_benchmark_script_imports():
         except Exception as error:  # noqa: BLE001 - any import failure is the finding
             failures.append(f"{path.relative_to(root.parent)}: {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
+
+
+def test_time_to_accuracy_keeps_the_earlier_runs_of_the_levels_not_run_again_with_the_reference_first():
+    import bench_time_to_accuracy
+
+    def runs(level, seeds, tag):
+        return [{"level": level, "seed": seed, "tag": tag} for seed in seeds]
+
+    earlier = runs("O0", [0, 1], "old") + runs("O1", [0, 1], "old") + runs("O1:float32", [0, 1], "old")
+    new = runs("O1", [0, 1], "new") + runs("O2", [0, 1], "new")
+    merged = bench_time_to_accuracy.merge_runs(earlier, new, ["O1", "O2"])
+    assert [(r["level"], r["tag"]) for r in merged] == [
+        ("O0", "old"), ("O0", "old"), ("O1", "new"), ("O1", "new"), ("O1:float32", "old"), ("O1:float32", "old"),
+        ("O2", "new"), ("O2", "new")]
+    # a rerun of every level keeps nothing earlier
+    assert bench_time_to_accuracy.merge_runs(earlier, new, ["O0", "O1", "O1:float32", "O2"]) == new
