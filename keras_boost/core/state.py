@@ -42,6 +42,11 @@ class BoostState(keras.layers.Layer):
             variable.assign(self._pending.pop(attribute))
         return variable
 
+    def add_slots(self, name, variables):
+        """One variable per variable of `variables`, its shape and dtype, zero, called `name/<index>`."""
+        return [self.add_state(f"{name}/{index}", 0.0, v.dtype, shape=tuple(v.shape))
+                for index, v in enumerate(variables)]
+
     def save_own_variables(self, store):
         """Saves each variable under its state name (files stay readable whatever was built)."""
         for variable in self.variables:

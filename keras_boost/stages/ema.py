@@ -89,8 +89,7 @@ class ExponentialMovingAverage(Stage):
         self.variables = list(context.variables)
         self.count = context.state.add_state("ema/count", 0, "int64")
         self.swapped = context.state.add_state("ema/swapped", False, "bool")
-        self.average = [context.state.add_state(f"ema/{index}", 0.0, v.dtype, shape=tuple(v.shape))
-                        for index, v in enumerate(self.variables)]
+        self.average = context.state.add_slots("ema", self.variables)
 
     def after_update(self):
         n = tf.cast(self.count, tf.float32)

@@ -89,8 +89,7 @@ class StochasticWeightAveraging(Stage):
     def build(self, context):
         self.variables = list(context.variables)
         self.count = context.state.add_state("swa/count", 0, "int64")
-        self.average = [context.state.add_state(f"swa/{index}", 0.0, v.dtype, shape=tuple(v.shape))
-                        for index, v in enumerate(self.variables)]
+        self.average = context.state.add_slots("swa", self.variables)
 
     def start_epoch(self, epochs):
         """The first epoch index averaged in a fit of `epochs` epochs."""
