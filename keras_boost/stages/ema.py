@@ -88,7 +88,7 @@ class ExponentialMovingAverage(Stage):
     def build(self, context):
         self.variables = list(context.variables)
         self.count = context.state.add_state("ema/count", 0, "int64")
-        self.swapped = context.state.add_state("ema/swapped", False, "bool")
+        self.swapped = context.state.add_state("ema/swapped", 0, "int64")  # 1: the model holds the average
         self.average = context.state.add_slots("ema", self.variables)
 
     def after_update(self):
@@ -109,7 +109,7 @@ class ExponentialMovingAverage(Stage):
             trained = tf.identity(variable)
             variable.assign(average)
             average.assign(trained)
-        self.swapped.assign(averaged)
+        self.swapped.assign(int(averaged))
 
     def fit_callbacks(self):
         return [_SwapAverage(self)]
