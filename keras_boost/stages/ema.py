@@ -132,23 +132,18 @@ def _decay_arg(text):
 
 
 class _SwapAverage(keras.callbacks.Callback):
-    """Trains the trained weights; validation and the epoch-end callbacks after it see the average."""
+    """Each epoch trains the trained weights; from its validation on (Keras validates at the epoch's
+    end, before the epoch-end callbacks) the model holds the average until the next epoch starts."""
 
     def __init__(self, stage):
         super().__init__()
         self.stage = stage
-        self._validating = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.stage.swap(False)
 
     def on_test_begin(self, logs=None):
-        self._validating = not (self.stage.swapped is not None and bool(self.stage.swapped.numpy()))
         self.stage.swap(True)
-
-    def on_test_end(self, logs=None):
-        if self._validating:
-            self.stage.swap(False)
 
     def on_epoch_end(self, epoch, logs=None):
         self.stage.swap(True)
