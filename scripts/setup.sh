@@ -39,8 +39,8 @@ APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ patch libhighwayhash-dev libf
 # TensorFlow 2.19's headers include LLVM headers its wheel does not ship (TensorFlow issue #90026)
 case "$TF_VERSION" in 2.19.*) APT_PACKAGES+=(llvm-14-dev) ;; esac
 # tensorboard: tf.summary (Keras' TensorBoard callback); tensorflow-cpu 2.21 no longer pulls it in
-TOOL_PACKAGES=("keras>=3.15,<3.16" "tensorboard" "mpi4py==4.1.2" "pytest" "pytest-timeout" "hypothesis" "matplotlib"
-               "cloudpickle" "psutil" "pyyaml")
+TOOL_PACKAGES=("keras>=3.15,<3.16" "tensorboard" "mpi4py==4.1.2" "pytest" "pytest-timeout" "pytest-xdist" "hypothesis"
+               "matplotlib" "cloudpickle" "psutil" "pyyaml")
 GPU_BUILD_PACKAGES=("nvidia-nccl-cu12" "nvidia-cuda-nvcc-cu12")
 
 # ---------------------------------------------------------------- the plan
@@ -143,7 +143,7 @@ else
   TF_CHECK="import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION' or not tf.test.is_built_with_cuda())"
 fi
 if ! "$PY" -c "$TF_CHECK" 2>/dev/null \
-   || ! "$PY" -c "import pytest, pytest_timeout, hypothesis, matplotlib, mpi4py, psutil, tensorboard" 2>/dev/null \
+   || ! "$PY" -c "import pytest, pytest_timeout, xdist, hypothesis, matplotlib, mpi4py, psutil, tensorboard" 2>/dev/null \
    || { [ "$VARIANT" = gpu ] && ! "$PY" -c "import nvidia.nccl, nvidia.cuda_nvcc" 2>/dev/null; }; then
   if [ "$VARIANT" = gpu ] && "$PY" -m pip show -q tensorflow-cpu >/dev/null 2>&1; then
     "$PY" -m pip uninstall -q -y tensorflow-cpu || die "could not remove tensorflow-cpu before installing $TF_PACKAGE"

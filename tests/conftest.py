@@ -1,4 +1,6 @@
+import ast
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BOOST_COUNT_COLLECTIVES", "1")  # tests read distributed.allreduce_count()
@@ -59,3 +61,60 @@ def pytest_sessionfinish(session, exitstatus):
     from tests import cluster as cluster_module
 
     cluster_module.shutdown_shared()
+
+
+# ------------------------------------------------------------------ the two phases
+# `./scripts/test.sh` runs the suite in two phases: the tests that stay in this process, two at
+# a time (pytest-xdist; most of their time is single-threaded Python and tracing), then the
+# tests that launch workers, hosts or a scheduler, one at a time: they share the cluster of
+# namespace hosts, take links down, and bound how soon a fault ends a job. Such a test is marked
+# `launches`: its function, a fixture it asks for, or a function of its module it names
+# (transitively) runs horovodrun, mpirun or `keras-boost ... --np/--hosts`, or uses
+# tests/launch.py, tests/cluster.py or tests/slurm.py.
+LAUNCHING = re.compile(r"tests\.launch|tests\.cluster|tests\.slurm|\bhorovodrun\b|\bmpirun\b|--np\b|--hosts\b")
+LAUNCHING_MODULES = ("tests.launch", "tests.cluster", "tests.slurm")
+LAUNCHING_FIXTURES = {"cluster", "slurm", "readme_cluster"}
+
+
+def launching_names(source):
+    """The names in a test module's `source` that launch: its functions (tests, fixtures, helpers) whose
+    text launches or names one that does, and what it imports from the launching helper modules."""
+    tree = ast.parse(source)
+    names = set(LAUNCHING_FIXTURES)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in LAUNCHING_MODULES:
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "tests":
+            names.update(alias.asname or alias.name for alias in node.names
+                         if f"tests.{alias.name}" in LAUNCHING_MODULES)
+    texts = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            texts[node.name] = texts.get(node.name, "") + "\n" + ast.get_source_segment(source, node)
+    pending = {name: text for name, text in texts.items() if name not in names}
+    while True:
+        found = {name for name, text in pending.items() if LAUNCHING.search(text)
+                 or set(re.findall(r"\b\w+\b", text)) & names}
+        if not found:
+            return names
+        names |= found
+        for name in found:
+            del pending[name]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launches: the test launches workers, hosts or a scheduler "
+                                       "(./scripts/test.sh runs these one at a time, after the others)")
+
+
+def pytest_collection_modifyitems(config, items):
+    per_module = {}
+    for item in items:
+        path = str(item.path)
+        if path not in per_module:
+            with open(path, encoding="utf-8") as handle:
+                per_module[path] = launching_names(handle.read())
+        names = per_module[path]
+        function = getattr(item, "originalname", None) or item.name
+        if function in names or names & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launches)
