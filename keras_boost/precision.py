@@ -13,8 +13,9 @@ is built) choose, for the boost levels O1 and O2:
   later Xeons, Zen 4 and later) and TensorFlow's oneDNN kernels are on (TensorFlow's
   default on such CPUs; `TF_ENABLE_ONEDNN_OPTS=0` turns them off), where oneDNN runs
   bfloat16 convolutions and matrix products in hardware (measured in docs/benchmarks.md,
-  "Mixed precision on CPUs", per step and in time to O0's accuracy on each model of the
-  time-to-accuracy benchmark); float32 on every other CPU, and with oneDNN off, where
+  "Mixed precision on CPUs", per step and in time to O0's accuracy: faster on the demo,
+  mnist_convnet and the text transformer; on a step with little arithmetic, such as
+  keras-io's timeseries FCN, it does not pay); float32 on every other CPU, and with oneDNN off, where
   bfloat16 is emulated and many times slower (docs/benchmarks.md);
 - float32 at level O0, which stays plain Keras, and wherever the hardware is unknown.
 """
